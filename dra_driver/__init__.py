@@ -1,0 +1,3 @@
+"""A Kubernetes DRA driver for NVIDIA GPUs."""
+
+__version__ = "0.1.0"
