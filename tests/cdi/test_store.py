@@ -1,0 +1,177 @@
+"""Spec files on a real file system, as the container runtime finds them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dra_driver.cdi.spec import CommonEdits, claim_spec
+from dra_driver.cdi.store import SpecStore
+from dra_driver.cdi.validate import InvalidSpecError
+
+from .conftest import CLAIM_UID, DRIVER, GPU0, GPU1, full_gpu
+
+OTHER_UID = "7f3c2e1a-9b8d-4c6e-a5f4-3e2d1c0b9a87"
+
+
+def spec_for(claim_uid: str, *gpus: Any) -> dict[str, Any]:
+    return claim_spec(DRIVER, claim_uid, [full_gpu(gpu) for gpu in gpus or (GPU0,)], CommonEdits((), (), ()))
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> SpecStore:
+    return SpecStore(tmp_path / "cdi", DRIVER)
+
+
+def runtime_visible(directory: Path) -> list[str]:
+    """The files a CDI runtime would try to load."""
+    return sorted(p.name for p in directory.iterdir() if p.suffix in (".json", ".yaml"))
+
+
+def test_spec_lands_under_the_transient_name_and_reads_back(store: SpecStore, tmp_path: Path) -> None:
+    spec = spec_for(CLAIM_UID)
+    path = store.write(CLAIM_UID, spec)
+    assert path == tmp_path / "cdi" / f"k8s.gpu.dra-driver.dev-claim_{CLAIM_UID}.json"
+    assert json.loads(path.read_text()) == spec
+    assert store.read(CLAIM_UID) == spec
+    assert path.stat().st_mode & 0o777 == 0o644
+    assert runtime_visible(path.parent) == [path.name]
+
+
+def test_rewriting_replaces_the_spec(store: SpecStore) -> None:
+    store.write(CLAIM_UID, spec_for(CLAIM_UID, GPU0))
+    store.write(CLAIM_UID, spec_for(CLAIM_UID, GPU1))
+    assert store.read(CLAIM_UID) == spec_for(CLAIM_UID, GPU1)
+    assert len(list(store.path_for(CLAIM_UID).parent.iterdir())) == 1
+
+
+def test_the_runtime_never_sees_a_partial_file(store: SpecStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Until the rename the bytes sit in a file the runtime ignores; a failed rename leaves the old spec."""
+    old = spec_for(CLAIM_UID, GPU0)
+    store.write(CLAIM_UID, old)
+    directory = store.path_for(CLAIM_UID).parent
+    seen: list[tuple[str, list[str], str]] = []
+    real_replace = os.replace
+
+    def failing_replace(source: str, target: str) -> None:
+        # What a runtime scanning the directory at this instant would load.
+        seen.append((source, runtime_visible(directory), Path(source).read_text()))
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError, match="disk gone"):
+        store.write(CLAIM_UID, spec_for(CLAIM_UID, GPU1))
+    monkeypatch.setattr(os, "replace", real_replace)
+
+    ((temp, visible, content),) = seen
+    assert Path(temp).parent == directory  # same file system, so the rename is atomic
+    assert Path(temp).name.startswith(".")
+    assert Path(temp).suffix == ".tmp"
+    assert visible == [store.path_for(CLAIM_UID).name]
+    assert json.loads(content) == spec_for(CLAIM_UID, GPU1)  # the whole spec, flushed before the rename
+    assert sorted(p.name for p in directory.iterdir()) == [store.path_for(CLAIM_UID).name]  # temp cleaned up
+    assert store.read(CLAIM_UID) == old
+
+
+def test_the_file_and_then_the_directory_are_flushed(
+    store: SpecStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append("fsync directory" if os.path.isdir(f"/proc/self/fd/{fd}") else "fsync file")
+        real_fsync(fd)
+
+    def replace(source: str, target: str) -> None:
+        events.append("rename")
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    store.write(CLAIM_UID, spec_for(CLAIM_UID))
+    assert events == ["fsync file", "rename", "fsync directory"]
+
+
+def test_an_invalid_spec_is_never_written(store: SpecStore) -> None:
+    spec = spec_for(CLAIM_UID)
+    spec["devices"][0]["containerEdits"]["env"].append("NOT-AN-ASSIGNMENT")
+    with pytest.raises(InvalidSpecError, match=re.escape("devices[0].containerEdits.env[1]")):
+        store.write(CLAIM_UID, spec)
+    assert not store.path_for(CLAIM_UID).parent.exists()
+
+
+def test_another_drivers_spec_is_refused(store: SpecStore) -> None:
+    spec = claim_spec("other.example.com", CLAIM_UID, [full_gpu(GPU0)], CommonEdits((), (), ()))
+    with pytest.raises(ValueError, match=re.escape("'k8s.other.example.com/claim' does not belong")):
+        store.write(CLAIM_UID, spec)
+
+
+def test_remove_is_idempotent(store: SpecStore) -> None:
+    store.write(CLAIM_UID, spec_for(CLAIM_UID))
+    store.write(OTHER_UID, spec_for(OTHER_UID))
+    store.remove(CLAIM_UID)
+    store.remove(CLAIM_UID)
+    store.remove("never-written")
+    assert store.read(CLAIM_UID) is None
+    assert store.claim_uids() == {OTHER_UID}
+
+
+def test_remove_before_the_directory_exists_is_fine(store: SpecStore) -> None:
+    store.remove(CLAIM_UID)
+    assert store.claim_uids() == set()
+
+
+@pytest.mark.parametrize(
+    "claim_uid", ["../x", "a/b", "", ".", "..", "/etc/passwd", "x/../../y", "a\x00b", "-x", "x\n"]
+)
+def test_unsafe_claim_uids_are_refused_before_any_file_is_touched(
+    claim_uid: str, tmp_path: Path, store: SpecStore
+) -> None:
+    bait = tmp_path / "x.json"
+    bait.write_text("{}")
+    with pytest.raises(ValueError, match=re.escape(f"claim UID {claim_uid!r} cannot name a CDI spec")):
+        store.write(claim_uid, spec_for(CLAIM_UID))
+    for operation in (store.path_for, store.remove, store.read):
+        with pytest.raises(ValueError, match=re.escape(f"claim UID {claim_uid!r}")):
+            operation(claim_uid)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]
+    assert bait.read_text() == "{}"
+
+
+def test_a_uid_too_long_for_a_file_name_is_refused(store: SpecStore) -> None:
+    with pytest.raises(ValueError, match="longer than 255 bytes"):
+        store.path_for("a" * 250)
+
+
+def test_claim_uids_lists_only_our_spec_files(store: SpecStore) -> None:
+    store.write(CLAIM_UID, spec_for(CLAIM_UID))
+    store.write(OTHER_UID, spec_for(OTHER_UID))
+    directory = store.path_for(CLAIM_UID).parent
+    for stranger in (
+        "nvidia.yaml",  # the node's static NVIDIA spec
+        f"k8s.other.example.com-claim_{CLAIM_UID}.json",  # another driver's claim
+        f"k8s.gpu.dra-driver.dev-claim_{CLAIM_UID}.yaml",  # not a name we write
+        f".k8s.gpu.dra-driver.dev-claim_{CLAIM_UID}.abc123.tmp",  # an interrupted write
+        "k8s.gpu.dra-driver.dev-claim_.json",  # no UID
+        "k8s.gpu.dra-driver.dev-claim_-x.json",  # not a UID we would write
+    ):
+        (directory / stranger).write_text("{}")
+    (directory / "k8s.gpu.dra-driver.dev-claim_dir.json").mkdir()
+    assert store.claim_uids() == {CLAIM_UID, OTHER_UID}
+
+
+def test_a_corrupt_spec_is_reported_with_its_path(store: SpecStore) -> None:
+    path = store.path_for(CLAIM_UID)
+    path.parent.mkdir()
+    path.write_text('{"cdiVersion": ')
+    with pytest.raises(ValueError, match=re.escape(f"{path} is not valid JSON")):
+        store.read(CLAIM_UID)
+    path.write_text("[]")
+    with pytest.raises(ValueError, match="does not hold a CDI spec object"):
+        store.read(CLAIM_UID)
