@@ -1,0 +1,27 @@
+"""The one place that decides which backend drives the node's GPUs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dra_driver.devices.backend import Backend
+from dra_driver.devices.nvml import NvmlBackend
+from dra_driver.devices.simulated import SimulatedBackend
+
+
+def open_backend(
+    simulate: str | None,
+    data_dir: Path,
+    node_name: str,
+    *,
+    sysfs_root: Path = Path("/sys"),
+    procfs_root: Path = Path("/proc"),
+    dev_root: Path = Path("/"),
+) -> Backend:
+    """Simulated GPUs of node profile ``simulate`` (state kept in ``data_dir``), else the real ones via NVML.
+
+    Raises DeviceError when the profile is unknown or NVML cannot start.
+    """
+    if simulate:
+        return SimulatedBackend(simulate, node_name, data_dir)
+    return NvmlBackend(sysfs_root=sysfs_root, procfs_root=procfs_root, dev_root=dev_root)

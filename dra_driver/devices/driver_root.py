@@ -1,0 +1,106 @@
+"""The host driver files a GPU container needs, found under a driver root.
+
+The driver root is where the NVIDIA user-space driver is installed as seen from
+the plugin: ``/`` for a driver installed on the host, ``/run/nvidia/driver`` for
+one installed by a driver container. Inside the workload's container every file
+appears at its path relative to that root, so ``<root>/usr/lib64/libcuda.so.X``
+is mounted at ``/usr/lib64/libcuda.so.X``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from dra_driver.devices.backend import DeviceError
+
+# The user-space libraries of the compute and utility driver capabilities, all
+# versioned with the driver (lib<name>.so.<driver version>). Not every driver
+# branch ships all of them; only libcuda and libnvidia-ml are required.
+COMPUTE_LIBRARIES = (
+    "libcuda",  # the CUDA driver API
+    "libnvidia-ml",  # NVML, for nvidia-smi and monitoring inside the container
+    "libnvidia-ptxjitcompiler",  # JIT-compiles PTX for the GPU at hand
+    "libnvidia-nvvm",  # NVVM compiler, used by JIT linking (LTO) in CUDA 12+
+    "libcudadebugger",  # cuda-gdb's back end
+    "libnvidia-gpucomp",  # the shader/PTX compiler shared by newer branches
+    "libnvidia-allocator",  # buffer allocation used by EGL/GBM and CUDA interop
+    "libnvidia-cfg",  # GPU configuration queries used by nvidia-smi
+    "libnvidia-opencl",  # the OpenCL implementation
+)
+REQUIRED_LIBRARIES = ("libcuda", "libnvidia-ml")
+
+BINARIES = (
+    "nvidia-smi",
+    "nvidia-debugdump",
+    "nvidia-persistenced",
+    "nvidia-cuda-mps-control",
+    "nvidia-cuda-mps-server",
+)
+
+# Where distributions install the driver's libraries, relative to the driver root; the first match wins.
+LIBRARY_DIRS = (
+    "usr/lib64",
+    "usr/lib/x86_64-linux-gnu",
+    "usr/lib/aarch64-linux-gnu",
+    "lib64",
+    "lib/x86_64-linux-gnu",
+    "lib/aarch64-linux-gnu",
+    "usr/lib",
+    "lib",
+)
+BINARY_DIRS = ("usr/bin", "usr/sbin", "bin", "sbin", "usr/local/bin")
+FIRMWARE_DIRS = ("lib/firmware/nvidia", "usr/lib/firmware/nvidia")
+
+
+@dataclass(frozen=True)
+class HostFile:
+    """A file on the host and the path it gets in the container."""
+
+    host_path: PurePosixPath
+    container_path: PurePosixPath
+
+
+@dataclass(frozen=True)
+class DriverFiles:
+    root: PurePosixPath
+    driver_version: str
+    libraries: tuple[HostFile, ...]
+    binaries: tuple[HostFile, ...]
+    firmware: HostFile | None  # the GSP firmware directory, on drivers that use one
+
+
+def _host_file(root: Path, relative: str) -> HostFile:
+    return HostFile(PurePosixPath(root / relative), PurePosixPath("/") / relative)
+
+
+def _first(root: Path, directories: tuple[str, ...], name: str) -> HostFile | None:
+    for directory in directories:
+        candidate = f"{directory}/{name}"
+        if (root / candidate).exists():
+            return _host_file(root, candidate)
+    return None
+
+
+def find_driver_files(driver_root: Path, driver_version: str) -> DriverFiles:
+    """The files of driver ``driver_version`` under ``driver_root``; DeviceError without libcuda/NVML."""
+    libraries: list[HostFile] = []
+    for library in COMPUTE_LIBRARIES:
+        found = _first(driver_root, LIBRARY_DIRS, f"{library}.so.{driver_version}")
+        if found:
+            libraries.append(found)
+        elif library in REQUIRED_LIBRARIES:
+            searched = ", ".join(str(driver_root / d) for d in LIBRARY_DIRS)
+            raise DeviceError(
+                f"{library}.so.{driver_version} is not under driver root {driver_root} (searched "
+                f"{searched}); set the driver root to where the NVIDIA driver of this version is installed"
+            )
+    binaries = tuple(found for name in BINARIES if (found := _first(driver_root, BINARY_DIRS, name)))
+    firmware = _first(driver_root, FIRMWARE_DIRS, driver_version)
+    return DriverFiles(
+        root=PurePosixPath(driver_root),
+        driver_version=driver_version,
+        libraries=tuple(libraries),
+        binaries=binaries,
+        firmware=firmware,
+    )

@@ -1,0 +1,511 @@
+"""The NVML backend: the node's real GPUs, read and partitioned through pynvml (nvidia-ml-py).
+
+Every method blocks -- NVML is a C library and some calls take long -- so callers
+on the event loop use ``asyncio.to_thread``; NVML itself is thread-safe.
+
+Nothing here resets a GPU. MIG mode is switched only on GPUs that switch it
+without a reset (Hopper and newer): on, when a MIG device is created on a GPU
+whose mode is off; off again, when the last MIG device is destroyed. On Ampere
+the mode is the administrator's business and an error says so.
+
+Profile names come from go-nvlib's formula (:func:`mig_profile_name`), never
+from the name NVML reports in its v2 profile struct: NVIDIA's DRA driver and
+device plugin publish the formula's names, and some drivers' own names differ
+(an A100-80GB "3g.39gb" in NVIDIA/mig-parted#31), which would break claims
+written against NVIDIA's driver.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pynvml
+import structlog
+
+from dra_driver.devices.backend import DeviceError, DeviceInUseError, PlacementUnavailableError
+from dra_driver.devices.catalog import load_catalog
+from dra_driver.devices.naming import (
+    ARCHITECTURE_HOPPER,
+    GPU_INSTANCE_PROFILE_COUNT,
+    architecture_name,
+    brand_name,
+    mig_profile_name,
+    normalize_pci_bus_id,
+    split_pci_device_id,
+)
+from dra_driver.devices.types import DeviceNode, Gpu, Inventory, MigDevice, MigProfile, Placement
+
+log = structlog.get_logger(__name__)
+
+NVIDIA_MAJOR = 195  # fixed by the kernel module for /dev/nvidia<minor>
+CONTROL_DEVICES = ("nvidiactl", "nvidia-modeset", "nvidia-uvm", "nvidia-uvm-tools")
+
+# CUDA cores per multiprocessor by compute capability (the CUDA samples' table): NVML
+# reports cores, not multiprocessors, for a full GPU.
+_CORES_PER_MULTIPROCESSOR = {
+    (7, 0): 64,
+    (7, 2): 64,
+    (7, 5): 64,
+    (8, 0): 64,
+    (8, 6): 128,
+    (8, 7): 128,
+    (8, 9): 128,
+    (9, 0): 128,
+    (10, 0): 128,
+    (10, 3): 128,
+    (12, 0): 128,
+}
+
+# NVML_COMPUTE_INSTANCE_PROFILE_<n>_SLICE by slice count: the compute instance that spans its GPU instance.
+_COMPUTE_INSTANCE_PROFILE_BY_SLICES = {1: 0x0, 2: 0x1, 3: 0x2, 4: 0x3, 7: 0x4, 8: 0x5, 6: 0x6}
+
+
+@dataclass(frozen=True)
+class _MigHandle:
+    uuid: str
+    gpu_instance_id: int
+    compute_instance_id: int
+
+
+def _nvml_error(e: Exception, action: str) -> DeviceError:
+    """An NVML failure as the error type the driver acts on, with what to do next."""
+    if isinstance(e, pynvml.NVMLError_InUse):
+        return DeviceInUseError(f"{action}: the GPU is in use ({e}); retry once its processes have stopped")
+    if isinstance(e, pynvml.NVMLError_InsufficientResources):
+        return PlacementUnavailableError(
+            f"{action}: the memory slices are taken by a live MIG instance, or the profile's instance "
+            f"limit is reached ({e})"
+        )
+    if isinstance(e, pynvml.NVMLError_NoPermission):
+        return DeviceError(f"{action}: {e}; the plugin must run privileged to manage MIG devices")
+    if isinstance(e, pynvml.NVMLError_GpuIsLost):
+        return DeviceError(f"{action}: the GPU is lost ({e}); drain the node and reset or replace the GPU")
+    return DeviceError(f"{action}: {e}")
+
+
+class NvmlBackend:
+    """The node's GPUs as NVML reports them.
+
+    ``sysfs_root``, ``procfs_root`` and ``dev_root`` are where the host's ``/sys``,
+    ``/proc`` and ``/dev`` are visible to the plugin (``/`` in a privileged pod
+    with host mounts; ``dev_root`` is the driver root when a driver container
+    creates the device nodes there).
+    """
+
+    def __init__(
+        self,
+        *,
+        sysfs_root: Path = Path("/sys"),
+        procfs_root: Path = Path("/proc"),
+        dev_root: Path = Path("/"),
+    ) -> None:
+        self._sysfs_root = sysfs_root
+        self._procfs_root = procfs_root
+        self._dev_root = dev_root
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as e:
+            raise DeviceError(
+                f"NVML not available: {e}. Run the plugin on a node with the NVIDIA driver loaded and "
+                "libnvidia-ml.so.1 on its library path, or use --simulate PROFILE for simulated GPUs"
+            ) from e
+
+    # --- Backend -----------------------------------------------------------------------------------
+
+    def inventory(self) -> Inventory:
+        try:
+            gpus = tuple(self._gpu(i) for i in range(pynvml.nvmlDeviceGetCount()))
+            driver_version = pynvml.nvmlSystemGetDriverVersion()
+            cuda = pynvml.nvmlSystemGetCudaDriverVersion()
+        except pynvml.NVMLError as e:
+            raise _nvml_error(e, "reading the GPU inventory") from e
+        return Inventory(
+            gpus=gpus,
+            driver_version=driver_version,
+            cuda_driver_version=(cuda // 1000, cuda % 1000 // 10),
+            control_nodes=self._control_nodes(),
+        )
+
+    def create_mig_device(self, parent_uuid: str, profile_id: int, placement: Placement) -> MigDevice:
+        action = (
+            f"creating a MIG device (profile id {profile_id}, memory slices {placement.start}.."
+            f"{placement.start + placement.size - 1}) on GPU {parent_uuid}"
+        )
+        handle = self._handle(parent_uuid)
+        try:
+            minor = pynvml.nvmlDeviceGetMinorNumber(handle)
+            profile = next((p for p in self._profiles(handle) if p.profile_id == profile_id), None)
+            if profile is None:
+                raise PlacementUnavailableError(f"{action}: the GPU offers no such profile")
+            if placement not in profile.placements:
+                starts = ", ".join(str(p.start) for p in profile.placements)
+                raise PlacementUnavailableError(
+                    f"{action}: profile {profile.name} starts only at slices {starts}"
+                )
+            switched_on = self._switch_mig_mode_on(handle, parent_uuid)
+        except pynvml.NVMLError as e:
+            raise _nvml_error(e, action) from e
+        try:
+            gpu_instance, compute_instance = self._create_instances(handle, profile, placement)
+        except pynvml.NVMLError as e:
+            if switched_on:
+                self._switch_mig_mode_off_if_unused(handle, parent_uuid)
+            raise _nvml_error(e, action) from e
+        try:
+            gi_id = pynvml.nvmlGpuInstanceGetInfo(gpu_instance).id
+            ci_id = pynvml.nvmlComputeInstanceGetInfo(compute_instance).id
+            created = next(
+                (
+                    m
+                    for m in self._mig_handles(handle)
+                    if (m.gpu_instance_id, m.compute_instance_id) == (gi_id, ci_id)
+                ),
+                None,
+            )
+            if created is None:
+                raise DeviceError(f"{action}: NVML lists no MIG device for new GPU instance {gi_id}")
+            return MigDevice(
+                uuid=created.uuid,
+                parent_uuid=parent_uuid,
+                profile=profile.name,
+                profile_id=profile.profile_id,
+                placement=placement,
+                gpu_instance_id=gi_id,
+                compute_instance_id=ci_id,
+                cap_nodes=self._cap_nodes(minor, gi_id, ci_id),
+            )
+        except (pynvml.NVMLError, DeviceError) as e:
+            # Leave the GPU as it was: a MIG device nobody can use must not outlive the failure.
+            self._destroy_instances(compute_instance, gpu_instance, parent_uuid)
+            if switched_on:
+                self._switch_mig_mode_off_if_unused(handle, parent_uuid)
+            if isinstance(e, DeviceError):
+                raise
+            raise _nvml_error(e, action) from e
+
+    def destroy_mig_device(self, parent_uuid: str, mig_uuid: str) -> None:
+        handle = self._handle(parent_uuid)
+        action = f"destroying MIG device {mig_uuid} on GPU {parent_uuid}"
+        try:
+            found = next((m for m in self._mig_handles(handle) if m.uuid == mig_uuid), None)
+            if found is None:
+                return
+            gpu_instance = pynvml.nvmlDeviceGetGpuInstanceById(handle, found.gpu_instance_id)
+            compute_instance = pynvml.nvmlGpuInstanceGetComputeInstanceById(
+                gpu_instance, found.compute_instance_id
+            )
+            # The compute instance first: a GPU instance with a compute instance cannot be destroyed.
+            pynvml.nvmlComputeInstanceDestroy(compute_instance)
+            pynvml.nvmlGpuInstanceDestroy(gpu_instance)
+        except pynvml.NVMLError as e:
+            raise _nvml_error(e, action) from e
+        self._switch_mig_mode_off_if_unused(handle, parent_uuid)
+
+    def close(self) -> None:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError as e:
+            log.warning("nvml_shutdown_failed", error=str(e))
+
+    # --- reading -----------------------------------------------------------------------------------
+
+    def _gpu(self, index: int) -> Gpu:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        minor = pynvml.nvmlDeviceGetMinorNumber(handle)
+        major_cc, minor_cc = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+        architecture = pynvml.nvmlDeviceGetArchitecture(handle)
+        pci = pynvml.nvmlDeviceGetPciInfo(handle)
+        bus_id = normalize_pci_bus_id(pci.busId.decode() if isinstance(pci.busId, bytes) else pci.busId)
+        device_id, vendor_id = split_pci_device_id(pci.pciDeviceId)
+        mig_mode = self._mig_mode(handle)
+        profiles = self._profiles(handle) if mig_mode is not None else ()
+        mig_enabled = mig_mode == pynvml.NVML_DEVICE_MIG_ENABLE
+        uuid = pynvml.nvmlDeviceGetUUID(handle)
+        return Gpu(
+            uuid=uuid,
+            minor=minor,
+            index=index,
+            product_name=pynvml.nvmlDeviceGetName(handle),
+            brand=brand_name(pynvml.nvmlDeviceGetBrand(handle)),
+            architecture=architecture_name(architecture),
+            cuda_compute_capability=(major_cc, minor_cc),
+            memory_bytes=pynvml.nvmlDeviceGetMemoryInfo(handle).total,
+            multiprocessors=self._multiprocessors(handle, (major_cc, minor_cc), device_id),
+            pci_bus_id=bus_id,
+            pci_device_id=device_id,
+            pci_vendor_id=vendor_id,
+            device_node=self._device_node(f"nvidia{minor}", (NVIDIA_MAJOR, minor)),
+            pcie_root=self._pcie_root(bus_id),
+            mig_capable=mig_mode is not None,
+            mig_enabled=mig_enabled,
+            mig_mode_change_requires_reset=mig_mode is not None and architecture < ARCHITECTURE_HOPPER,
+            memory_slices=max((p.start + p.size for m in profiles for p in m.placements), default=0),
+            mig_profiles=profiles,
+            mig_devices=self._mig_devices(handle, uuid, minor, profiles) if mig_enabled else (),
+        )
+
+    @staticmethod
+    def _mig_mode(handle: Any) -> int | None:
+        """The current MIG mode, or None when the GPU cannot do MIG."""
+        try:
+            current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
+        except pynvml.NVMLError_NotSupported:
+            return None
+        return int(current)
+
+    @staticmethod
+    def _multiprocessors(handle: Any, compute_capability: tuple[int, int], pci_device_id: int) -> int:
+        """SM count: CUDA cores over cores per SM; else the catalog's value for this product; else 0."""
+        per_sm = _CORES_PER_MULTIPROCESSOR.get(compute_capability)
+        if per_sm:
+            try:
+                return int(pynvml.nvmlDeviceGetNumGpuCores(handle)) // per_sm
+            except pynvml.NVMLError_NotSupported:
+                pass
+        known = (m for m in load_catalog().values() if m.pci_device_id == pci_device_id)
+        return next((m.multiprocessors for m in known), 0)
+
+    def _profiles(self, handle: Any) -> tuple[MigProfile, ...]:
+        """Every GPU-instance profile the GPU offers, with its possible placements."""
+        parent_memory = pynvml.nvmlDeviceGetMemoryInfo(handle).total
+        profiles = []
+        for nvml_profile in range(GPU_INSTANCE_PROFILE_COUNT):
+            try:
+                info = pynvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, nvml_profile)
+            except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_InvalidArgument):
+                continue
+            profiles.append(
+                MigProfile(
+                    name=mig_profile_name(nvml_profile, info.memorySizeMB, parent_memory),
+                    profile_id=info.id,
+                    nvml_profile=nvml_profile,
+                    compute_slices=info.sliceCount,
+                    instance_count=info.instanceCount,
+                    memory_mib=info.memorySizeMB,
+                    multiprocessors=info.multiprocessorCount,
+                    copy_engines=info.copyEngineCount,
+                    decoders=info.decoderCount,
+                    encoders=info.encoderCount,
+                    jpeg_engines=info.jpegCount,
+                    ofa_engines=info.ofaCount,
+                    placements=self._placements(handle, info.id),
+                )
+            )
+        return tuple(profiles)
+
+    @staticmethod
+    def _placements(handle: Any, profile_id: int) -> tuple[Placement, ...]:
+        # NVML's two-call protocol: a NULL array asks for the count, then the caller allocates.
+        count = ctypes.c_uint(0)
+        pynvml.nvmlDeviceGetGpuInstancePossiblePlacements(handle, profile_id, None, ctypes.pointer(count))
+        placements = (pynvml.c_nvmlGpuInstancePlacement_t * count.value)()
+        pynvml.nvmlDeviceGetGpuInstancePossiblePlacements(
+            handle, profile_id, placements, ctypes.pointer(count)
+        )
+        return tuple(Placement(p.start, p.size) for p in placements[: count.value])
+
+    @staticmethod
+    def _mig_handles(handle: Any) -> Iterator[_MigHandle]:
+        for index in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+            try:
+                mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
+            except (pynvml.NVMLError_NotFound, pynvml.NVMLError_InvalidArgument):
+                continue  # an empty slot
+            yield _MigHandle(
+                uuid=pynvml.nvmlDeviceGetUUID(mig),
+                gpu_instance_id=pynvml.nvmlDeviceGetGpuInstanceId(mig),
+                compute_instance_id=pynvml.nvmlDeviceGetComputeInstanceId(mig),
+            )
+
+    def _mig_devices(
+        self, handle: Any, gpu_uuid: str, minor: int, profiles: tuple[MigProfile, ...]
+    ) -> tuple[MigDevice, ...]:
+        by_id = {p.profile_id: p for p in profiles}
+        devices = []
+        for mig in self._mig_handles(handle):
+            info = pynvml.nvmlGpuInstanceGetInfo(
+                pynvml.nvmlDeviceGetGpuInstanceById(handle, mig.gpu_instance_id)
+            )
+            profile = by_id.get(info.profileId)
+            if profile is None:
+                raise DeviceError(
+                    f"MIG device {mig.uuid} uses GPU-instance profile {info.profileId}, which NVML does "
+                    "not list among the GPU's profiles"
+                )
+            devices.append(
+                MigDevice(
+                    uuid=mig.uuid,
+                    parent_uuid=gpu_uuid,
+                    profile=profile.name,
+                    profile_id=profile.profile_id,
+                    placement=Placement(info.placement.start, info.placement.size),
+                    gpu_instance_id=mig.gpu_instance_id,
+                    compute_instance_id=mig.compute_instance_id,
+                    cap_nodes=self._cap_nodes(minor, mig.gpu_instance_id, mig.compute_instance_id),
+                )
+            )
+        return tuple(devices)
+
+    def _pcie_root(self, bus_id: str) -> str | None:
+        """The PCIe root complex ("pci0000:3a") the sysfs device path of ``bus_id`` lies under."""
+        devices = (self._sysfs_root / "devices").resolve()
+        try:
+            path = (self._sysfs_root / "bus" / "pci" / "devices" / bus_id).resolve(strict=True)
+            root = path.relative_to(devices).parts[0]
+        except (OSError, ValueError, IndexError):
+            return None
+        return root if root.startswith("pci") else None
+
+    # --- device nodes ------------------------------------------------------------------------------
+
+    def _device_node(self, name: str, expected: tuple[int, int] | None = None) -> DeviceNode:
+        """``/dev/<name>`` with the numbers the host's node has; ``expected`` when it is absent."""
+        host = self._dev_root / "dev" / name
+        host_path = None if self._dev_root == Path("/") else str(host)
+        try:
+            info = os.stat(host)
+        except FileNotFoundError:
+            if expected is None:
+                raise
+            return DeviceNode(f"/dev/{name}", *expected, host_path=host_path)
+        if not stat.S_ISCHR(info.st_mode):
+            raise DeviceError(f"{host} is not a character device; check the plugin's dev root setting")
+        return DeviceNode(f"/dev/{name}", os.major(info.st_rdev), os.minor(info.st_rdev), host_path=host_path)
+
+    def _control_nodes(self) -> tuple[DeviceNode, ...]:
+        nodes = []
+        for name in CONTROL_DEVICES:
+            try:
+                nodes.append(self._device_node(name))
+            except FileNotFoundError:
+                if name == "nvidiactl":
+                    raise DeviceError(
+                        f"{self._dev_root / 'dev' / name} does not exist: is the NVIDIA driver loaded, "
+                        "and is the plugin's dev root the directory that holds the driver's /dev?"
+                    ) from None
+                # nvidia-uvm and nvidia-modeset appear once their modules load.
+                log.info("control_device_absent", device=name)
+        return tuple(nodes)
+
+    def _cap_nodes(self, gpu_minor: int, gi_id: int, ci_id: int) -> tuple[DeviceNode, DeviceNode]:
+        """The nvidia-caps nodes of a MIG device; their minors are in the driver's procfs files."""
+        gpu_instance = self._procfs_root.joinpath(
+            "driver", "nvidia", "capabilities", f"gpu{gpu_minor}", "mig", f"gi{gi_id}"
+        )
+        major = self._caps_major()
+        nodes = []
+        for access in (gpu_instance / "access", gpu_instance / f"ci{ci_id}" / "access"):
+            minor = self._device_file_minor(access)
+            name = f"nvidia-caps/nvidia-cap{minor}"
+            host_path = None if self._dev_root == Path("/") else str(self._dev_root / "dev" / name)
+            nodes.append(DeviceNode(f"/dev/{name}", major, minor, host_path))
+        return nodes[0], nodes[1]
+
+    @staticmethod
+    def _device_file_minor(access: Path) -> int:
+        try:
+            lines = access.read_text().splitlines()
+        except OSError as e:
+            raise DeviceError(
+                f"cannot read {access} ({e}): mount the host's /proc/driver/nvidia into the plugin "
+                "and point its procfs root at it"
+            ) from e
+        for line in lines:
+            key, _, value = line.partition(":")
+            if key.strip() == "DeviceFileMinor":
+                return int(value)
+        raise DeviceError(f"{access} has no DeviceFileMinor line; is this an NVIDIA driver capability file?")
+
+    def _caps_major(self) -> int:
+        devices = self._procfs_root / "devices"
+        try:
+            text = devices.read_text()
+        except OSError as e:
+            raise DeviceError(f"cannot read {devices} ({e}) to find the nvidia-caps device major") from e
+        character = text.partition("Character devices:")[2].partition("Block devices:")[0]
+        for line in character.splitlines():
+            number, _, name = line.strip().partition(" ")
+            if name == "nvidia-caps":
+                return int(number)
+        raise DeviceError(f"{devices} lists no nvidia-caps driver: is the NVIDIA kernel module loaded?")
+
+    # --- changing ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _handle(gpu_uuid: str) -> Any:
+        try:
+            return pynvml.nvmlDeviceGetHandleByUUID(gpu_uuid)
+        except pynvml.NVMLError_NotFound:
+            raise DeviceError(f"no GPU {gpu_uuid} on this node") from None
+        except pynvml.NVMLError as e:
+            raise _nvml_error(e, f"looking up GPU {gpu_uuid}") from e
+
+    @staticmethod
+    def _switch_mig_mode_on(handle: Any, gpu_uuid: str) -> bool:
+        """Make sure MIG mode is on; True if this call switched it on."""
+        current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
+        if current == pynvml.NVML_DEVICE_MIG_ENABLE:
+            return False
+        if pynvml.nvmlDeviceGetArchitecture(handle) < ARCHITECTURE_HOPPER:
+            raise DeviceError(
+                f"MIG mode is off on GPU {gpu_uuid} and switching it on needs a GPU reset on this "
+                "architecture, which the driver never does: an administrator must enable it "
+                "(`nvidia-smi -i <index> -mig 1`, then reset the GPU)"
+            )
+        status = pynvml.nvmlDeviceSetMigMode(handle, pynvml.NVML_DEVICE_MIG_ENABLE)
+        if status != pynvml.NVML_SUCCESS:
+            raise pynvml.NVMLError(status)
+        log.info("mig_mode_switched_on", gpu=gpu_uuid)
+        return True
+
+    def _switch_mig_mode_off_if_unused(self, handle: Any, gpu_uuid: str) -> None:
+        """On Hopper and newer, switch MIG mode off once no MIG device is left, so the full GPU works again.
+
+        Best effort: a failure leaves the GPU in MIG mode, which is safe, so it is logged, not raised.
+        """
+        try:
+            if pynvml.nvmlDeviceGetArchitecture(handle) < ARCHITECTURE_HOPPER or any(
+                self._mig_handles(handle)
+            ):
+                return
+            status = pynvml.nvmlDeviceSetMigMode(handle, pynvml.NVML_DEVICE_MIG_DISABLE)
+            if status != pynvml.NVML_SUCCESS:
+                raise pynvml.NVMLError(status)
+        except pynvml.NVMLError as e:
+            log.warning("mig_mode_switch_off_failed", gpu=gpu_uuid, error=str(e))
+            return
+        log.info("mig_mode_switched_off", gpu=gpu_uuid)
+
+    @staticmethod
+    def _create_instances(handle: Any, profile: MigProfile, placement: Placement) -> tuple[Any, Any]:
+        """A GPU instance at exactly ``placement`` and one compute instance spanning it; all or nothing."""
+        where = pynvml.c_nvmlGpuInstancePlacement_t(placement.start, placement.size)
+        gpu_instance = pynvml.nvmlDeviceCreateGpuInstanceWithPlacement(
+            handle, profile.profile_id, ctypes.pointer(where)
+        )
+        try:
+            ci_profile = pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                gpu_instance,
+                _COMPUTE_INSTANCE_PROFILE_BY_SLICES[profile.compute_slices],
+                pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+            )
+            compute_instance = pynvml.nvmlGpuInstanceCreateComputeInstance(gpu_instance, ci_profile.id)
+        except pynvml.NVMLError:
+            pynvml.nvmlGpuInstanceDestroy(gpu_instance)
+            raise
+        return gpu_instance, compute_instance
+
+    @staticmethod
+    def _destroy_instances(compute_instance: Any, gpu_instance: Any, gpu_uuid: str) -> None:
+        """Roll back a half-made MIG device; a failure here is logged: the caller is already failing."""
+        try:
+            pynvml.nvmlComputeInstanceDestroy(compute_instance)
+            pynvml.nvmlGpuInstanceDestroy(gpu_instance)
+        except pynvml.NVMLError as e:
+            log.error("mig_rollback_failed", gpu=gpu_uuid, error=str(e))

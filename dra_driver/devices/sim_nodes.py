@@ -1,0 +1,106 @@
+"""Simulated node profiles: which GPUs a simulated node has, and how they are identified.
+
+Identities follow real hardware. UUIDs are unique per node (derived from the node
+name and the GPU's index), while PCI addresses follow a fixed server layout, the
+same on every node of a profile -- as they are on a rack of identical servers.
+Minor numbers are 0..n-1 in PCI order, as the kernel driver assigns them.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from dra_driver.devices.backend import DeviceError
+from dra_driver.devices.catalog import GpuModel, gpu_model
+from dra_driver.devices.types import DeviceNode, Gpu
+
+NVIDIA_MAJOR = 195  # /dev/nvidia<minor>, /dev/nvidiactl (255) and /dev/nvidia-modeset (254)
+
+# A fixed namespace, so that the same node name gives the same UUIDs on every run and machine.
+_UUID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://gpu.dra-driver.dev/simulated-gpu")
+
+# Root buses of the PCIe host bridges of the simulated server; GPUs sit behind them.
+_ROOT_BUSES = (0x1A, 0x3A, 0x4C, 0x5C, 0x9A, 0xBA, 0xCB, 0xDB)
+
+
+@dataclass(frozen=True)
+class NodeProfile:
+    name: str
+    description: str
+    gpu_models: tuple[str, ...]  # catalog keys, in PCI order
+
+
+def _same(count: int, model: str) -> tuple[str, ...]:
+    return (model,) * count
+
+
+NODE_PROFILES: dict[str, NodeProfile] = {
+    p.name: p
+    for p in (
+        NodeProfile("dgx-h100", "8x NVIDIA H100 80GB HBM3 (DGX H100)", _same(8, "h100-sxm5-80gb")),
+        NodeProfile("hgx-h100-16", "16x NVIDIA H100 80GB HBM3", _same(16, "h100-sxm5-80gb")),
+        NodeProfile("dgx-a100-40gb", "8x NVIDIA A100-SXM4-40GB (DGX A100)", _same(8, "a100-sxm4-40gb")),
+        NodeProfile("dgx-a100-80gb", "8x NVIDIA A100-SXM4-80GB (DGX A100)", _same(8, "a100-sxm4-80gb")),
+        NodeProfile("dgx-h200", "8x NVIDIA H200 (DGX H200)", _same(8, "h200-sxm-141gb")),
+        NodeProfile("dgx-b200", "8x NVIDIA B200 (DGX B200)", _same(8, "b200-180gb")),
+        NodeProfile("l4x4", "4x NVIDIA L4", _same(4, "l4")),
+        NodeProfile(
+            "mixed",
+            "2x H100 80GB HBM3 (MIG without reset), 2x A100-SXM4-40GB (MIG needs a reset), 2x L4 (no MIG)",
+            _same(2, "h100-sxm5-80gb") + _same(2, "a100-sxm4-40gb") + _same(2, "l4"),
+        ),
+    )
+}
+
+
+def node_profile(name: str) -> NodeProfile:
+    try:
+        return NODE_PROFILES[name]
+    except KeyError:
+        raise DeviceError(
+            f"unknown simulated node profile {name!r}; choose one of: {', '.join(sorted(NODE_PROFILES))}"
+        ) from None
+
+
+def gpu_uuid(node_name: str, index: int) -> str:
+    """A GPU uuid formatted like NVML's ("GPU-" + RFC 4122 text), unique per node and index."""
+    return f"GPU-{uuid.uuid5(_UUID_NAMESPACE, f'{node_name}/gpu/{index}')}"
+
+
+def pci_location(index: int, gpu_count: int) -> tuple[str, str]:
+    """(PCI bus id, PCIe root) of GPU ``index``: one GPU per root complex, two on 16-GPU nodes."""
+    per_root = -(-gpu_count // len(_ROOT_BUSES))
+    root = _ROOT_BUSES[index // per_root]
+    bus = root + 1 + 2 * (index % per_root)
+    return f"0000:{bus:02x}:00.0", f"pci0000:{root:02x}"
+
+
+def _gpu(node_name: str, index: int, gpu_count: int, model: GpuModel) -> Gpu:
+    bus_id, pcie_root = pci_location(index, gpu_count)
+    return Gpu(
+        uuid=gpu_uuid(node_name, index),
+        minor=index,
+        index=index,
+        product_name=model.product_name,
+        brand=model.brand,
+        architecture=model.architecture,
+        cuda_compute_capability=model.cuda_compute_capability,
+        memory_bytes=model.memory_bytes,
+        multiprocessors=model.multiprocessors,
+        pci_bus_id=bus_id,
+        pci_device_id=model.pci_device_id,
+        pci_vendor_id=model.pci_vendor_id,
+        device_node=DeviceNode(f"/dev/nvidia{index}", NVIDIA_MAJOR, index),
+        pcie_root=pcie_root,
+        mig_capable=model.mig_capable,
+        mig_mode_change_requires_reset=model.mig_mode_change_requires_reset,
+        memory_slices=model.memory_slices,
+        mig_profiles=model.mig_profiles,
+    )
+
+
+def node_gpus(profile: NodeProfile, node_name: str) -> tuple[tuple[Gpu, GpuModel], ...]:
+    """The node's GPUs in their power-on state (MIG off, no MIG devices), each with its model."""
+    models = [gpu_model(key) for key in profile.gpu_models]
+    return tuple((_gpu(node_name, i, len(models), m), m) for i, m in enumerate(models))

@@ -1,0 +1,131 @@
+"""Immutable descriptions of GPUs, MIG profiles and MIG devices.
+
+Every backend (NVML on a real node, the simulator elsewhere) produces these same
+objects, so that everything above this layer is a pure function of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+@dataclass(frozen=True, order=True)
+class Placement:
+    """A GPU-instance placement: the memory slices ``[start, start + size)``."""
+
+    start: int
+    size: int
+
+    @property
+    def memory_slices(self) -> range:
+        return range(self.start, self.start + self.size)
+
+    def overlaps(self, other: Placement) -> bool:
+        return self.start < other.start + other.size and other.start < self.start + self.size
+
+
+@dataclass(frozen=True)
+class MigProfile:
+    """One GPU-instance profile of a MIG-capable GPU, as ``nvidia-smi mig -lgip`` lists it."""
+
+    name: str  # "1g.10gb", "1g.10gb+me"
+    profile_id: int  # the per-product lgip ID that `nvidia-smi mig -cgi` takes
+    nvml_profile: int  # the NVML_GPU_INSTANCE_PROFILE_* constant
+    compute_slices: int
+    instance_count: int  # how many instances of this profile a GPU can hold at once
+    memory_mib: int
+    multiprocessors: int
+    copy_engines: int
+    decoders: int
+    encoders: int
+    jpeg_engines: int
+    ofa_engines: int
+    placements: tuple[Placement, ...]
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.memory_mib * 2**20
+
+
+@dataclass(frozen=True)
+class DeviceNode:
+    """A character device the container needs, with numbers so a runtime need not stat it."""
+
+    path: str
+    major: int
+    minor: int
+    host_path: str | None = None  # set when the node lives elsewhere on the host (driver root)
+
+
+@dataclass(frozen=True)
+class MigDevice:
+    """A MIG device that exists on the GPU right now (GPU instance + compute instance)."""
+
+    uuid: str  # "MIG-..."
+    parent_uuid: str
+    profile: str  # profile name, e.g. "3g.40gb"
+    profile_id: int
+    placement: Placement
+    gpu_instance_id: int
+    compute_instance_id: int
+    # The two nvidia-caps nodes that grant access to this GI/CI.
+    cap_nodes: tuple[DeviceNode, ...] = ()
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One physical GPU."""
+
+    uuid: str  # "GPU-..."
+    minor: int  # /dev/nvidia<minor>; stable across reboots, unlike the NVML index
+    index: int
+    product_name: str  # NVML name, e.g. "NVIDIA H100 80GB HBM3"
+    brand: str  # "Nvidia", "Tesla", ...
+    architecture: str  # "Ampere", "Hopper", ...
+    cuda_compute_capability: tuple[int, int]
+    memory_bytes: int
+    multiprocessors: int
+    pci_bus_id: str  # "0000:3b:00.0"
+    pci_device_id: int  # 0x2330 (device part of the PCI id)
+    pci_vendor_id: int  # 0x10de
+    device_node: DeviceNode
+    pcie_root: str | None = None  # "pci0000:3a" when sysfs tells us
+    mig_capable: bool = False
+    mig_enabled: bool = False
+    # Whether switching MIG mode needs a GPU reset (Ampere) or not (Hopper and newer).
+    mig_mode_change_requires_reset: bool = True
+    memory_slices: int = 0
+    mig_profiles: tuple[MigProfile, ...] = ()
+    mig_devices: tuple[MigDevice, ...] = ()
+
+    def profile(self, name: str) -> MigProfile | None:
+        return next((p for p in self.mig_profiles if p.name == name), None)
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """Everything a backend knows about the node's GPUs at one moment."""
+
+    gpus: tuple[Gpu, ...]
+    driver_version: str  # as NVML prints it, e.g. "580.95.05"
+    cuda_driver_version: tuple[int, int]  # (13, 0)
+    # Nodes every container with a GPU needs: nvidiactl, nvidia-uvm, nvidia-uvm-tools, modeset.
+    control_nodes: tuple[DeviceNode, ...] = field(default=())
+
+    def gpu(self, uuid: str) -> Gpu | None:
+        return next((g for g in self.gpus if g.uuid == uuid), None)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Everything as JSON-able data (tuples become lists): for `inventory` output and golden files."""
+        result: dict[str, Any] = json.loads(json.dumps(dataclasses.asdict(self)))
+        return result
+
+
+class HealthState(Enum):
+    HEALTHY = "Healthy"
+    UNHEALTHY = "Unhealthy"
+    UNKNOWN = "Unknown"

@@ -1,0 +1,120 @@
+"""Finding the host driver's files under a driver root, on fake roots laid out like real installs."""
+
+from __future__ import annotations
+
+from pathlib import Path, PurePosixPath
+
+import pytest
+
+from dra_driver.devices.backend import DeviceError
+from dra_driver.devices.driver_root import DriverFiles, HostFile, find_driver_files
+
+VERSION = "580.95.05"
+
+
+def _install(root: Path, *files: str) -> None:
+    for relative in files:
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"\x7fELF")
+
+
+def _by_name(files: tuple[HostFile, ...]) -> dict[str, HostFile]:
+    return {f.container_path.name: f for f in files}
+
+
+def test_a_driver_container_root_maps_files_to_their_host_layout(tmp_path):
+    root = tmp_path / "run" / "nvidia" / "driver"
+    _install(
+        root,
+        f"usr/lib/x86_64-linux-gnu/libcuda.so.{VERSION}",
+        f"usr/lib/x86_64-linux-gnu/libnvidia-ml.so.{VERSION}",
+        f"usr/lib/x86_64-linux-gnu/libnvidia-ptxjitcompiler.so.{VERSION}",
+        f"usr/lib/x86_64-linux-gnu/libnvidia-nvvm.so.{VERSION}",
+        "usr/bin/nvidia-smi",
+        "usr/bin/nvidia-persistenced",
+        f"lib/firmware/nvidia/{VERSION}/gsp_ga10x.bin",
+    )
+    files = find_driver_files(root, VERSION)
+    assert isinstance(files, DriverFiles)
+    assert files.root == PurePosixPath(root)
+    assert files.driver_version == VERSION
+    libcuda = _by_name(files.libraries)[f"libcuda.so.{VERSION}"]
+    assert libcuda.host_path == PurePosixPath(root / f"usr/lib/x86_64-linux-gnu/libcuda.so.{VERSION}")
+    assert libcuda.container_path == PurePosixPath(f"/usr/lib/x86_64-linux-gnu/libcuda.so.{VERSION}")
+    assert [f.container_path.name for f in files.libraries] == [
+        f"libcuda.so.{VERSION}",
+        f"libnvidia-ml.so.{VERSION}",
+        f"libnvidia-ptxjitcompiler.so.{VERSION}",
+        f"libnvidia-nvvm.so.{VERSION}",
+    ]
+    assert {f.container_path for f in files.binaries} == {
+        PurePosixPath("/usr/bin/nvidia-smi"),
+        PurePosixPath("/usr/bin/nvidia-persistenced"),
+    }
+    assert files.firmware == HostFile(
+        PurePosixPath(root / f"lib/firmware/nvidia/{VERSION}"),
+        PurePosixPath(f"/lib/firmware/nvidia/{VERSION}"),
+    )
+
+
+def test_an_rpm_layout_uses_lib64_and_has_no_firmware(tmp_path):
+    _install(tmp_path, f"usr/lib64/libcuda.so.{VERSION}", f"usr/lib64/libnvidia-ml.so.{VERSION}")
+    files = find_driver_files(tmp_path, VERSION)
+    assert {str(f.container_path) for f in files.libraries} == {
+        f"/usr/lib64/libcuda.so.{VERSION}",
+        f"/usr/lib64/libnvidia-ml.so.{VERSION}",
+    }
+    assert (files.binaries, files.firmware) == ((), None)
+
+
+def test_arm_hosts_are_searched_too(tmp_path):
+    _install(
+        tmp_path,
+        f"usr/lib/aarch64-linux-gnu/libcuda.so.{VERSION}",
+        f"usr/lib/aarch64-linux-gnu/libnvidia-ml.so.{VERSION}",
+    )
+    files = find_driver_files(tmp_path, VERSION)
+    assert all(str(f.container_path).startswith("/usr/lib/aarch64-linux-gnu/") for f in files.libraries)
+
+
+def test_only_the_running_drivers_version_is_taken(tmp_path):
+    _install(
+        tmp_path,
+        f"usr/lib64/libcuda.so.{VERSION}",
+        f"usr/lib64/libnvidia-ml.so.{VERSION}",
+        "usr/lib64/libnvidia-opencl.so.570.86.15",  # a leftover of the previous driver
+        "usr/lib64/libcuda.so.570.86.15",
+        "lib/firmware/nvidia/570.86.15/gsp_tu10x.bin",
+    )
+    files = find_driver_files(tmp_path, VERSION)
+    assert [f.container_path.name for f in files.libraries] == [
+        f"libcuda.so.{VERSION}",
+        f"libnvidia-ml.so.{VERSION}",
+    ]
+    assert files.firmware is None
+
+
+def test_the_first_library_directory_wins(tmp_path):
+    _install(
+        tmp_path,
+        f"usr/lib64/libcuda.so.{VERSION}",
+        f"lib64/libcuda.so.{VERSION}",
+        f"usr/lib64/libnvidia-ml.so.{VERSION}",
+    )
+    libcuda = _by_name(find_driver_files(tmp_path, VERSION).libraries)[f"libcuda.so.{VERSION}"]
+    assert libcuda.container_path == PurePosixPath(f"/usr/lib64/libcuda.so.{VERSION}")
+
+
+def test_the_container_path_is_the_host_path_without_the_root(tmp_path):
+    _install(tmp_path, f"usr/lib64/libcuda.so.{VERSION}", f"usr/lib64/libnvidia-ml.so.{VERSION}")
+    (libcuda, _) = find_driver_files(tmp_path, VERSION).libraries
+    assert PurePosixPath(tmp_path) / libcuda.container_path.relative_to("/") == libcuda.host_path
+
+
+def test_a_root_without_libcuda_says_what_to_set(tmp_path):
+    _install(tmp_path, f"usr/lib64/libnvidia-ml.so.{VERSION}")
+    with pytest.raises(
+        DeviceError, match=rf"libcuda\.so\.{VERSION} is not under driver root .*set the driver root"
+    ):
+        find_driver_files(tmp_path, VERSION)
