@@ -1,0 +1,1 @@
+"""End-to-end tests and the machinery they run on (a real local control plane: e2e.cluster)."""

@@ -1,0 +1,137 @@
+"""Plain JSON requests to the API server: what it stores and what it says, with no client model between.
+
+The generated `kubernetes` client silently drops fields its models do not know and reshapes error
+bodies; a test that checks what the API server keeps of an object, or how it words a rejection, needs
+the server's own JSON. Waiting is a watch, not a polling loop.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+JsonObject = dict[str, Any]
+
+
+class ApiError(Exception):
+    """A request the API server refused; `status` is the HTTP code, `body` its Status object."""
+
+    def __init__(self, status: int, body: JsonObject) -> None:
+        self.status = status
+        self.body = body
+        super().__init__(f"HTTP {status} {body.get('reason', '')}: {self.message}")
+
+    @property
+    def message(self) -> str:
+        return str(self.body.get("message", ""))
+
+
+class RestClient:
+    def __init__(self, server: str, token: str, ca_file: Path) -> None:
+        self._server = server
+        self._token = token
+        self._tls = ssl.create_default_context(cafile=str(ca_file))
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: JsonObject | None = None,
+        *,
+        query: Mapping[str, str] | None = None,
+        content_type: str = "application/json",
+        timeout_seconds: float = 30.0,
+    ) -> JsonObject:
+        with self._open(method, path, body, query, content_type, timeout_seconds) as response:
+            answer: JsonObject = json.load(response)
+            return answer
+
+    def get(self, path: str) -> JsonObject:
+        return self.request("GET", path)
+
+    def create(self, collection: str, body: JsonObject) -> JsonObject:
+        return self.request("POST", collection, body)
+
+    def delete(self, path: str) -> JsonObject:
+        return self.request("DELETE", path)
+
+    def wait_for(
+        self,
+        collection: str,
+        name: str,
+        condition: Callable[[JsonObject], bool],
+        *,
+        timeout_seconds: float = 60.0,
+    ) -> JsonObject:
+        """Watches object `name` in `collection` until `condition` holds for it and returns it."""
+        selector = {"fieldSelector": f"metadata.name={name}"}
+        listing = self.request("GET", collection, query=selector)
+        last_seen: JsonObject | None = None
+        items: list[JsonObject] = listing["items"]
+        for item in items:
+            last_seen = item
+            if condition(item):
+                return item
+        resource_version = listing["metadata"]["resourceVersion"]
+        deadline = time.monotonic() + timeout_seconds
+        while (remaining := deadline - time.monotonic()) > 0:
+            query = {
+                **selector,
+                "watch": "true",
+                "resourceVersion": resource_version,
+                "timeoutSeconds": str(max(1, int(remaining))),  # the server ends the watch; we look again
+            }
+            with self._open("GET", collection, None, query, "application/json", remaining + 10) as stream:
+                for line in stream:
+                    event: JsonObject = json.loads(line)
+                    if event["type"] == "ERROR":
+                        raise ApiError(int(event["object"].get("code", 500)), event["object"])
+                    last_seen = event["object"]
+                    resource_version = last_seen["metadata"]["resourceVersion"]
+                    if event["type"] != "DELETED" and condition(last_seen):
+                        return last_seen
+        raise TimeoutError(
+            f"{collection}/{name} did not reach the awaited state in {timeout_seconds:.0f}s; "
+            f"last seen: {json.dumps(last_seen)}"
+        )
+
+    def _open(
+        self,
+        method: str,
+        path: str,
+        body: JsonObject | None,
+        query: Mapping[str, str] | None,
+        content_type: str,
+        timeout_seconds: float,
+    ) -> Any:
+        url = self._server + path + (f"?{urllib.parse.urlencode(query)}" if query else "")
+        request = urllib.request.Request(
+            url,
+            data=None if body is None else json.dumps(body).encode(),
+            method=method,
+            headers={
+                "Authorization": f"Bearer {self._token}",
+                "Accept": "application/json",
+                "Content-Type": content_type,
+            },
+        )
+        try:
+            return urllib.request.urlopen(request, context=self._tls, timeout=timeout_seconds)
+        except urllib.error.HTTPError as error:
+            raise ApiError(error.code, _status_of(error)) from None
+
+
+def _status_of(error: urllib.error.HTTPError) -> JsonObject:
+    text = error.read().decode(errors="replace")
+    try:
+        status: JsonObject = json.loads(text)
+    except json.JSONDecodeError:
+        return {"message": text}
+    return status
