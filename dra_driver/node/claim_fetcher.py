@@ -1,0 +1,112 @@
+"""Reading ResourceClaims from the API server, as raw JSON.
+
+We read the raw JSON rather than the client's pydantic models: it is faster, and a
+model silently drops fields it does not know, which a newer API server may send.
+
+resource.k8s.io/v1 is GA since Kubernetes 1.34; older servers serve only v1beta2 or
+v1beta1, whose ResourceClaim status has the same shape. A 404 means either "no such
+claim" or "no such API version"; the API server tells them apart in the Status body
+(``details.kind`` names the resource only when the object is missing), and only the
+second moves on to the next version. The first version that answers is remembered.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from kubernetes.aio.client import ApiClient
+
+
+class ClaimFetchError(Exception):
+    """The claim could not be read (network, RBAC, server error); a retry may succeed."""
+
+
+class ClaimFetcher(Protocol):
+    async def get(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+        """The ResourceClaim's JSON, or ``None`` if it does not exist.
+
+        Raises :class:`ClaimFetchError` when the API server could not answer.
+        """
+        ...
+
+
+SERVED_VERSIONS = ("v1", "v1beta2", "v1beta1")  # newest first
+
+
+class ApiServerClaimFetcher:
+    """:class:`ClaimFetcher` backed by ``kubernetes.aio``; the caller owns (and closes) ``api_client``.
+
+    ``versions`` are the resource.k8s.io versions to try, in order.
+    """
+
+    def __init__(self, api_client: ApiClient, versions: Sequence[str] = SERVED_VERSIONS) -> None:
+        self._api = api_client
+        self._versions = list(versions)
+
+    async def get(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+        for position, version in enumerate(self._versions):
+            what = f"GET resource.k8s.io/{version} ResourceClaim {namespace}/{name}"
+            try:
+                status, body = await self._get(version, namespace, name)
+            except Exception as error:  # aiohttp and the client raise many types; all mean "no answer"
+                raise ClaimFetchError(f"{what}: {error}") from error
+            if status == 200:
+                if position:  # remember the served version; later claims skip the 404s
+                    self._versions = self._versions[position:]
+                return _decode(body, what)
+            if status == 404 and names_missing_claim(body):
+                return None
+            if status != 404:
+                raise ClaimFetchError(f"{what}: HTTP {status}: {_status_message(body)}")
+        raise ClaimFetchError(
+            f"the API server serves none of resource.k8s.io {', '.join(self._versions)}: "
+            "Dynamic Resource Allocation needs Kubernetes 1.32 or newer"
+        )
+
+    async def _get(self, version: str, namespace: str, name: str) -> tuple[int, bytes]:
+        request = await self._api.param_serialize(
+            method="GET",
+            resource_path=f"/apis/resource.k8s.io/{version}/namespaces/{{namespace}}/resourceclaims/{{name}}",
+            path_params={"namespace": namespace, "name": name},
+            header_params={"Accept": "application/json"},
+            auth_settings=["BearerToken"],
+        )
+        response: Any = await self._api.call_api(*request)  # RESTResponse: its read() is unannotated
+        body: bytes = await response.read()
+        return response.status, body
+
+
+def _decode(body: bytes, what: str) -> Mapping[str, Any]:
+    try:
+        claim = json.loads(body)
+    except ValueError as error:
+        raise ClaimFetchError(f"{what}: the response is not JSON: {error}") from error
+    if not isinstance(claim, dict):
+        raise ClaimFetchError(f"{what}: the response is not a JSON object")
+    return claim
+
+
+def names_missing_claim(body: bytes) -> bool:
+    """Whether a 404's body says "no such ResourceClaim" rather than "no such API version".
+
+    A missing object's Status names its resource in ``details``; a path the server does
+    not serve gets ``details: {}`` (or, from older servers, plain text).
+    """
+    try:
+        status = json.loads(body)
+    except ValueError:
+        return False  # "404 page not found" in plain text: the path is not served at all
+    details = status.get("details") if isinstance(status, dict) else None
+    return isinstance(details, dict) and details.get("kind") == "resourceclaims"
+
+
+def _status_message(body: bytes) -> str:
+    try:
+        status = json.loads(body)
+    except ValueError:
+        return body[:200].decode(errors="replace")
+    if isinstance(status, dict) and isinstance(status.get("message"), str):
+        return str(status["message"])
+    return body[:200].decode(errors="replace")

@@ -1,0 +1,175 @@
+"""What a ResourceClaim says this node must prepare: pure checks on the claim's JSON.
+
+The kubelet hands us only namespace, name and uid. Everything else comes from the
+ResourceClaim object, read from the API server by :mod:`dra_driver.node.claim_fetcher`;
+this module validates the identity before any I/O and then reads the allocation, keeping
+only the results for our driver in our pool (one pool per node, named after the node).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from dra_driver.node.types import ClaimRef
+
+# Kubernetes name rules (apimachinery validation): a namespace is a DNS label, a
+# ResourceClaim name a DNS subdomain.
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+# The API server generates UUIDs. We accept any plain token of letters, digits and '-' so
+# that it can never smuggle '/', '..' or NUL into the CDI file and device names built from it.
+_UID = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9]{0,62}[A-Za-z0-9])?$")
+
+
+class ClaimRejected(Exception):
+    """This claim cannot be prepared; the message is for the user and says what to do."""
+
+
+def check_ref(ref: ClaimRef) -> None:
+    """Reject an identity that is not a valid namespace, claim name and uid, before any I/O."""
+    if not ref.namespace or len(ref.namespace) > 63 or not _DNS_LABEL.match(ref.namespace):
+        raise ClaimRejected(
+            f"invalid claim namespace {ref.namespace!r}: must be a DNS label "
+            "(at most 63 lower-case letters, digits and '-')"
+        )
+    if not ref.name or len(ref.name) > 253 or not _DNS_SUBDOMAIN.match(ref.name):
+        raise ClaimRejected(
+            f"invalid claim name {ref.name!r}: must be a DNS subdomain "
+            "(at most 253 lower-case letters, digits, '-' and '.')"
+        )
+    if not _UID.match(ref.uid):
+        raise ClaimRejected(
+            f"invalid claim uid {ref.uid!r}: must be a plain token of letters, digits and '-' "
+            "(a Kubernetes object UID)"
+        )
+
+
+class ConfigSource(Enum):
+    FROM_CLASS = "FromClass"
+    FROM_CLAIM = "FromClaim"
+
+
+@dataclass(frozen=True)
+class AllocationResult:
+    """One device the scheduler allocated to the claim (``status.allocation.devices.results[]``)."""
+
+    request: str  # "req", or "req/sub" for a firstAvailable subrequest
+    pool: str
+    device: str
+    admin_access: bool = False
+    share_id: str | None = None
+
+    @property
+    def parent_request(self) -> str:
+        """The claim's request this result serves: what the kubelet matches containers against."""
+        return self.request.partition("/")[0]
+
+
+@dataclass(frozen=True)
+class OpaqueConfig:
+    """One opaque config entry for our driver (``status.allocation.devices.config[]``)."""
+
+    index: int  # position in the allocation's config list, for error messages
+    source: ConfigSource
+    requests: tuple[str, ...]  # empty: all requests
+    parameters: Any  # the raw JSON; decoded by dra_driver.node.config
+
+    def describe(self) -> str:
+        requests = f"requests [{', '.join(self.requests)}]" if self.requests else "all requests"
+        return f"config[{self.index}] ({self.source.value}, {requests})"
+
+
+@dataclass(frozen=True)
+class AllocatedClaim:
+    """The part of a claim's allocation this node prepares."""
+
+    ref: ClaimRef
+    results: tuple[AllocationResult, ...]  # only ours (our driver, our pool); never empty
+    configs: tuple[OpaqueConfig, ...]  # only opaque configs for our driver, in allocation order
+
+
+def allocated_claim(ref: ClaimRef, claim: Mapping[str, Any], driver: str, pool: str) -> AllocatedClaim:
+    """Check that ``claim`` (the ResourceClaim's JSON) is the one the kubelet meant and allocated to us."""
+    uid = _get(claim, "metadata", "uid")
+    if uid != ref.uid:
+        raise ClaimRejected(
+            f"claim {ref.namespace}/{ref.name} was deleted and re-created (replaced): "
+            f"expected uid {ref.uid}, found {uid}; the kubelet will retry with the new claim"
+        )
+    allocation = _get(claim, "status", "allocation")
+    if not isinstance(allocation, Mapping):
+        raise ClaimRejected(
+            f"claim {ref} is not allocated; the scheduler allocates it before the pod reaches the node, "
+            "so it was probably deallocated: check `kubectl describe resourceclaim`"
+        )
+    results = _list(allocation, "devices", "results")
+    ours = tuple(_result(entry, pool) for entry in results if _is_ours(entry, driver, pool))
+    if not ours:
+        elsewhere = sorted({f"{e.get('driver')}/{e.get('pool')}" for e in results if isinstance(e, Mapping)})
+        raise ClaimRejected(
+            f"claim {ref} has no device of driver {driver} in pool {pool}: it is allocated to another "
+            f"node's pool or another driver only (results: {', '.join(elsewhere) or 'none'})"
+        )
+    configs = tuple(
+        config
+        for index, entry in enumerate(_list(allocation, "devices", "config"))
+        if (config := _opaque_config(index, entry, driver)) is not None
+    )
+    return AllocatedClaim(ref=ref, results=ours, configs=configs)
+
+
+def _is_ours(entry: object, driver: str, pool: str) -> bool:
+    return isinstance(entry, Mapping) and entry.get("driver") == driver and entry.get("pool") == pool
+
+
+def _result(entry: Mapping[str, Any], pool: str) -> AllocationResult:
+    request, device = entry.get("request"), entry.get("device")
+    if not isinstance(request, str) or not request or not isinstance(device, str) or not device:
+        raise ClaimRejected(f"malformed allocation result {dict(entry)!r}: request and device are required")
+    share_id = entry.get("shareID")
+    return AllocationResult(
+        request=request,
+        pool=pool,
+        device=device,
+        admin_access=entry.get("adminAccess") is True,
+        share_id=share_id if isinstance(share_id, str) and share_id else None,
+    )
+
+
+def _opaque_config(index: int, entry: object, driver: str) -> OpaqueConfig | None:
+    if not isinstance(entry, Mapping):
+        return None
+    opaque = entry.get("opaque")
+    if not isinstance(opaque, Mapping) or opaque.get("driver") != driver:
+        return None  # another driver's config, or a kind of config this API version does not know
+    requests = entry.get("requests") or []
+    try:
+        source = ConfigSource(entry.get("source"))
+    except ValueError:
+        raise ClaimRejected(
+            f"config[{index}] has unknown source {entry.get('source')!r} (expected FromClass or FromClaim)"
+        ) from None
+    return OpaqueConfig(
+        index=index,
+        source=source,
+        requests=tuple(str(r) for r in requests),
+        parameters=opaque.get("parameters"),
+    )
+
+
+def _get(obj: Mapping[str, Any], *path: str) -> Any:
+    value: Any = obj
+    for key in path:
+        if not isinstance(value, Mapping):
+            return None
+        value = value.get(key)
+    return value
+
+
+def _list(obj: Mapping[str, Any], *path: str) -> list[Any]:
+    value = _get(obj, *path)
+    return value if isinstance(value, list) else []

@@ -1,0 +1,185 @@
+"""Builders for ResourceClaim JSON, and a NodePreparer on a simulated node with real files."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dra_driver.cdi.spec import common_edits
+from dra_driver.cdi.store import SpecStore
+from dra_driver.devices.simulated import SimulatedBackend
+from dra_driver.node.checkpoint import Checkpoint, decode
+from dra_driver.node.claim_fetcher import ClaimFetcher
+from dra_driver.node.config import API_VERSION
+from dra_driver.node.preparer import NodePreparer
+from dra_driver.node.types import ClaimRef
+
+DRIVER = "gpu.dra-driver.dev"
+NODE = "node-a"
+
+
+def new_ref(name: str = "claim", namespace: str = "default") -> ClaimRef:
+    return ClaimRef(namespace=namespace, name=name, uid=str(uuid.uuid4()))
+
+
+def result(
+    device: str,
+    request: str = "gpu",
+    *,
+    driver: str = DRIVER,
+    pool: str = NODE,
+    admin_access: bool | None = None,
+    share_id: str | None = None,
+) -> dict[str, Any]:
+    entry: dict[str, Any] = {"request": request, "driver": driver, "pool": pool, "device": device}
+    if admin_access is not None:
+        entry["adminAccess"] = admin_access
+    if share_id is not None:
+        entry["shareID"] = share_id
+    return entry
+
+
+def opaque(
+    parameters: Any, *, source: str = "FromClaim", requests: Sequence[str] = (), driver: str = DRIVER
+) -> dict[str, Any]:
+    entry: dict[str, Any] = {"source": source, "opaque": {"driver": driver, "parameters": parameters}}
+    if requests:
+        entry["requests"] = list(requests)
+    return entry
+
+
+def gpu_config(sharing: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    config: dict[str, Any] = {"apiVersion": API_VERSION, "kind": "GpuConfig"}
+    if sharing is not None:
+        config["sharing"] = dict(sharing)
+    return config
+
+
+def claim_json(
+    ref: ClaimRef,
+    results: Sequence[Mapping[str, Any]] | None = None,
+    configs: Sequence[Mapping[str, Any]] = (),
+    *,
+    uid: str | None = None,
+) -> dict[str, Any]:
+    """A ResourceClaim as the API server returns it; ``results=None``: not allocated."""
+    claim: dict[str, Any] = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"namespace": ref.namespace, "name": ref.name, "uid": uid or ref.uid},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu"}}]}},
+        "status": {},
+    }
+    if results is not None:
+        claim["status"]["allocation"] = {
+            "devices": {"results": [dict(r) for r in results], "config": [dict(c) for c in configs]}
+        }
+    return claim
+
+
+class InMemoryClaims:
+    """The ResourceClaims the API server would return, by namespace/name (unit tests only)."""
+
+    def __init__(self) -> None:
+        self.claims: dict[tuple[str, str], Mapping[str, Any]] = {}
+        self.gets = 0
+
+    def put(self, claim: Mapping[str, Any]) -> None:
+        meta = claim["metadata"]
+        self.claims[(meta["namespace"], meta["name"])] = claim
+
+    async def get(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+        self.gets += 1
+        return self.claims.get((namespace, name))
+
+
+@dataclass
+class RecordingObserver:
+    prepares: list[bool] = field(default_factory=list)
+    unprepares: list[bool] = field(default_factory=list)
+
+    def prepare_done(self, seconds: float, ok: bool) -> None:
+        assert seconds >= 0
+        self.prepares.append(ok)
+
+    def unprepare_done(self, seconds: float, ok: bool) -> None:
+        assert seconds >= 0
+        self.unprepares.append(ok)
+
+
+@dataclass
+class Node:
+    """One simulated node's driver state: files under ``root``."""
+
+    root: Path
+    backend: SimulatedBackend
+    claims: InMemoryClaims
+    observer: RecordingObserver
+
+    @property
+    def cdi_dir(self) -> Path:
+        return self.root / "cdi"
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.root / "state" / "checkpoint.json"
+
+    @property
+    def boot_id_path(self) -> Path:
+        return self.root / "boot_id"
+
+    @property
+    def specs(self) -> SpecStore:
+        return SpecStore(self.cdi_dir, DRIVER)
+
+    def preparer(self, claims: ClaimFetcher | None = None) -> NodePreparer:
+        """A plugin instance; call it twice for two instances sharing the node (rolling update).
+
+        ``claims`` replaces the API server stand-in, e.g. with one that fails.
+        """
+        return NodePreparer(
+            driver_name=DRIVER,
+            node_name=NODE,
+            inventory=self.backend.inventory,
+            claims=claims or self.claims,
+            specs=self.specs,
+            common_edits=common_edits(self.backend.inventory(), None),
+            checkpoint_path=self.checkpoint_path,
+            boot_id_path=self.boot_id_path,
+            observer=self.observer,
+        )
+
+    async def started(self, claims: ClaimFetcher | None = None) -> NodePreparer:
+        preparer = self.preparer(claims)
+        await preparer.start()
+        return preparer
+
+    def on_disk(self) -> Checkpoint:
+        return decode(self.checkpoint_path.read_bytes())
+
+    def spec_files(self) -> set[str]:
+        return {p.name for p in self.cdi_dir.glob("*")} if self.cdi_dir.exists() else set()
+
+    def reboot(self) -> None:
+        self.boot_id_path.write_text(str(uuid.uuid4()) + "\n")
+
+    def allocate(
+        self, ref: ClaimRef, *devices: str, configs: Sequence[Mapping[str, Any]] = (), **result_options: Any
+    ) -> dict[str, Any]:
+        claim = claim_json(ref, [result(d, **result_options) for d in devices], configs)
+        self.claims.put(claim)
+        return claim
+
+
+def make_node(root: Path) -> Node:
+    (root / "boot_id").write_text(str(uuid.uuid4()) + "\n")
+    backend = SimulatedBackend("mixed", NODE, root / "sim", boot_id_path=root / "boot_id")
+    return Node(root, backend, InMemoryClaims(), RecordingObserver())
+
+
+def spec_devices(path: Path) -> list[str]:
+    return [d["name"] for d in json.loads(path.read_text())["devices"]]

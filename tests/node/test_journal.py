@@ -1,0 +1,253 @@
+"""Group commit, conflict rules and two plugin instances sharing one checkpoint file."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+
+from dra_driver.node import checkpoint as ckpt
+from dra_driver.node.checkpoint import Checkpoint, ClaimRecord, DeviceRecord, LoadedCheckpoint, Phase
+from dra_driver.node.journal import CheckpointWriteError, Journal
+from dra_driver.node.state import Complete, MutationRejected, Release, Reserve
+
+BOOT = "boot-1"
+
+
+def as_loaded(loaded: LoadedCheckpoint) -> Checkpoint:
+    return loaded.checkpoint
+
+
+def record(attempt: str, *devices: str, admin: bool = False, phase: Phase = "PrepareStarted") -> ClaimRecord:
+    return ClaimRecord(
+        namespace="ns",
+        name=f"claim-{attempt}",
+        phase=phase,
+        attempt=attempt,
+        devices=tuple(
+            DeviceRecord(
+                request="gpu", pool="node-a", device=d, admin_access=admin, cdi_device_ids=(f"k/c={d}",)
+            )
+            for d in devices
+        ),
+    )
+
+
+async def opened(path: Path) -> Journal:
+    journal = Journal(path)
+    await journal.open(BOOT, as_loaded)
+    return journal
+
+
+@pytest.fixture
+def writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts checkpoint writes (each is one fsync'ed file): the number of claims in each."""
+    counted: list[int] = []
+    real_write = ckpt.write
+
+    def counting_write(path: Path, checkpoint: Checkpoint) -> bytes:
+        counted.append(len(checkpoint.claims))
+        return real_write(path, checkpoint)
+
+    monkeypatch.setattr(ckpt, "write", counting_write)
+    return counted
+
+
+async def test_concurrent_commits_share_one_write(tmp_path: Path, writes: list[int]) -> None:
+    journal = await opened(tmp_path / "checkpoint.json")
+    writes.clear()
+
+    await asyncio.gather(*(journal.commit(Reserve(f"u{i}", record(f"a{i}", f"gpu-{i}"))) for i in range(200)))
+
+    on_disk = ckpt.decode((tmp_path / "checkpoint.json").read_bytes())
+    assert sorted(on_disk.claims) == sorted(f"u{i}" for i in range(200))
+    assert journal.state == on_disk
+    # All 200 were queued before the writer ran: one file write (one fsync) for all of them.
+    assert writes == [200]
+
+
+async def test_exactly_one_of_two_claims_for_one_device_wins(tmp_path: Path) -> None:
+    journal = await opened(tmp_path / "checkpoint.json")
+
+    outcomes = await asyncio.gather(
+        journal.commit(Reserve("u1", record("a1", "gpu-0"))),
+        journal.commit(Reserve("u2", record("a2", "gpu-1", "gpu-0"))),
+        return_exceptions=True,
+    )
+
+    assert outcomes[0] is None
+    assert isinstance(outcomes[1], MutationRejected)
+    assert "device gpu-0 is already prepared for claim ns/claim-a1 (u1)" in str(outcomes[1])
+    assert set(ckpt.decode((tmp_path / "checkpoint.json").read_bytes()).claims) == {"u1"}
+
+
+async def test_admin_access_never_counts_against_a_device(tmp_path: Path) -> None:
+    journal = await opened(tmp_path / "checkpoint.json")
+
+    await journal.commit(Reserve("u1", record("a1", "gpu-0")))
+    await journal.commit(Reserve("u2", record("a2", "gpu-0", admin=True)))
+    await journal.commit(Release("u1"))
+    await journal.commit(Reserve("u3", record("a3", "gpu-0")))
+
+    assert set(journal.state.claims) == {"u2", "u3"}
+
+
+async def test_records_are_replaced_only_by_the_attempt_that_saw_them(tmp_path: Path) -> None:
+    journal = await opened(tmp_path / "checkpoint.json")
+    await journal.commit(Reserve("u1", record("a1", "gpu-0")))
+
+    with pytest.raises(MutationRejected, match="is being prepared concurrently"):
+        await journal.commit(Reserve("u1", record("a2", "gpu-0")))
+    with pytest.raises(MutationRejected, match="was unprepared or taken over"):
+        await journal.commit(Complete("u1", record("a2", "gpu-0", phase="PrepareCompleted")))
+
+    await journal.commit(Reserve("u1", record("a3", "gpu-0"), replaces="a1"))
+    await journal.commit(Release("u1", "a1"))  # the old attempt's undo must not remove the new one
+    assert journal.state.claims["u1"].attempt == "a3"
+
+
+async def test_release_of_an_unknown_claim_writes_nothing(tmp_path: Path, writes: list[int]) -> None:
+    journal = await opened(tmp_path / "checkpoint.json")
+    writes.clear()
+
+    await journal.commit(Release("never-prepared"))
+
+    assert writes == []
+
+
+async def test_another_instances_writes_are_merged_not_lost(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.json"
+    first, second = await opened(path), await opened(path)
+
+    await first.commit(Reserve("u1", record("a1", "gpu-0")))
+    await second.commit(Reserve("u2", record("a2", "gpu-1")))
+    await first.commit(Reserve("u3", record("a3", "gpu-2")))
+    with pytest.raises(MutationRejected, match="device gpu-1 is already prepared for claim ns/claim-a2"):
+        await first.commit(Reserve("u4", record("a4", "gpu-1")))
+    await second.commit(Release("u1"))
+
+    on_disk = ckpt.decode(path.read_bytes())
+    assert set(on_disk.claims) == {"u2", "u3"}
+    assert on_disk.generation > first.state.generation  # each write, by either, counts up
+    await first.commit(Release("u-none"))  # writes nothing, but takes in second's release of u1
+    assert first.state == on_disk
+    await first.commit(Reserve("u5", record("a5", "gpu-0")))  # so gpu-0 is free again
+    assert set(ckpt.decode(path.read_bytes()).claims) == {"u2", "u3", "u5"}
+
+
+async def test_failed_write_changes_nothing_and_the_next_succeeds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    journal = await opened(tmp_path / "checkpoint.json")
+    real_write = ckpt.write
+
+    def full_disk(path: Path, checkpoint: Checkpoint) -> bytes:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "write", full_disk)
+    with pytest.raises(CheckpointWriteError, match="No space left on device"):
+        await journal.commit(Reserve("u1", record("a1", "gpu-0")))
+    assert journal.state.claims == {}
+
+    monkeypatch.setattr(ckpt, "write", real_write)
+    await journal.commit(Reserve("u2", record("a2", "gpu-0")))
+    assert set(ckpt.decode((tmp_path / "checkpoint.json").read_bytes()).claims) == {"u2"}
+
+
+async def test_a_cancelled_waiter_does_not_undo_its_mutation(tmp_path: Path) -> None:
+    journal = await opened(tmp_path / "checkpoint.json")
+
+    waiter = asyncio.create_task(journal.commit(Reserve("u1", record("a1", "gpu-0"))))
+    await asyncio.sleep(0)  # let the waiter queue its mutation
+    waiter.cancel()
+    await journal.commit(Reserve("u2", record("a2", "gpu-1")))  # resolves after the batch holding u1
+
+    assert waiter.cancelled()
+    assert set(ckpt.decode((tmp_path / "checkpoint.json").read_bytes()).claims) == {"u1", "u2"}
+
+
+OTHER_INSTANCE = """
+import asyncio, sys
+from pathlib import Path
+import structlog
+from dra_driver.node.checkpoint import ClaimRecord, DeviceRecord
+from dra_driver.node.journal import Journal
+from dra_driver.node.state import Reserve
+
+structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout is for turns
+
+async def main(path: Path, count: int, turns: bool) -> None:
+    journal = Journal(path)
+    await journal.open("boot-1", lambda loaded: loaded.checkpoint)
+    print("ready", flush=True)
+    for i in range(count):
+        device = DeviceRecord(request="gpu", pool="node-a", device=f"b-{i}", cdi_device_ids=("k/c=x",))
+        record = ClaimRecord(namespace="ns", name=f"b{i}", phase="PrepareStarted", attempt=f"b{i}",
+                             devices=(device,))
+        await journal.commit(Reserve(f"b{i}", record))
+        if turns:
+            print(i, flush=True)  # your turn
+            sys.stdin.readline()  # my turn
+
+    print("done", flush=True)
+
+asyncio.run(main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "turns"))
+"""
+
+
+async def other_instance(path: Path, count: int, mode: str) -> asyncio.subprocess.Process:
+    """Another plugin process committing ``count`` claims b0, b1, ... to the same checkpoint."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        OTHER_INSTANCE,
+        str(path),
+        str(count),
+        mode,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    assert await process.stdout.readline() == b"ready\n"
+    return process
+
+
+def claim_ids(path: Path) -> set[str]:
+    return set(ckpt.decode(path.read_bytes()).claims)
+
+
+async def test_two_processes_taking_turns_lose_nothing(tmp_path: Path) -> None:
+    """Each write follows one by the other process, so every write must take the other's in."""
+    path = tmp_path / "checkpoint.json"
+    journal = await opened(path)
+    count = 20
+    other = await other_instance(path, count, "turns")
+    assert other.stdin is not None
+    assert other.stdout is not None
+
+    for i in range(count):
+        assert await other.stdout.readline() == f"{i}\n".encode()
+        await journal.commit(Reserve(f"a{i}", record(f"a{i}", f"a-{i}")))
+        other.stdin.write(b"\n")
+        await other.stdin.drain()
+    assert await other.stdout.readline() == b"done\n"
+    assert await other.wait() == 0
+
+    assert claim_ids(path) == {f"a{i}" for i in range(count)} | {f"b{i}" for i in range(count)}
+    assert ckpt.decode(path.read_bytes()).generation == 2 * count + 1  # opening wrote generation 1
+
+
+async def test_two_processes_writing_at_once_lose_nothing(tmp_path: Path) -> None:
+    """The file lock makes each read-modify-write whole, however the two processes' writes overlap."""
+    path = tmp_path / "checkpoint.json"
+    journal = await opened(path)
+    count = 40
+    other = await other_instance(path, count, "race")
+
+    for i in range(count):
+        await journal.commit(Reserve(f"a{i}", record(f"a{i}", f"a-{i}")))
+    assert await other.wait() == 0
+
+    assert claim_ids(path) == {f"a{i}" for i in range(count)} | {f"b{i}" for i in range(count)}

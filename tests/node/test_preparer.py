@@ -1,0 +1,509 @@
+"""NodePreparer end to end on a simulated node: real CDI files, a real checkpoint, claims as JSON.
+
+The API server is stood in for by :class:`InMemoryClaims` (the ResourceClaim JSON it
+would return); everything below it is real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+
+from dra_driver.node import checkpoint as ckpt
+from dra_driver.node.checkpoint import ClaimRecord, DeviceRecord
+from dra_driver.node.claim_fetcher import ClaimFetchError
+from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice
+
+from .builders import DRIVER, NODE, Node, claim_json, gpu_config, new_ref, opaque, result, spec_devices
+
+KIND = f"k8s.{DRIVER}/claim"
+
+
+def devices_of(outcome: object) -> tuple[PreparedDevice, ...]:
+    assert isinstance(outcome, tuple), outcome
+    return outcome
+
+
+def error_of(outcome: object) -> str:
+    assert isinstance(outcome, ClaimError), outcome
+    return outcome.message
+
+
+def assert_nothing_left_for(node: Node, uid: str) -> None:
+    assert not node.specs.path_for(uid).exists()
+    if node.checkpoint_path.exists():
+        assert uid not in node.on_disk().claims
+
+
+async def test_prepare_writes_spec_and_record_and_answers_with_cdi_ids(node: Node) -> None:
+    preparer = await node.started()
+    ref = new_ref()
+    node.allocate(ref, "gpu-0", "gpu-1", request="gpu/big")
+
+    outcome = await preparer.prepare([ref])
+
+    assert devices_of(outcome[ref.uid]) == (
+        PreparedDevice(("gpu",), NODE, "gpu-0", (f"{KIND}={ref.uid}-gpu-0",)),
+        PreparedDevice(("gpu",), NODE, "gpu-1", (f"{KIND}={ref.uid}-gpu-1",)),
+    )
+    assert spec_devices(node.specs.path_for(ref.uid)) == [f"{ref.uid}-gpu-0", f"{ref.uid}-gpu-1"]
+    recorded = node.on_disk().claims[ref.uid]
+    assert (recorded.namespace, recorded.name, recorded.phase) == (
+        ref.namespace,
+        ref.name,
+        "PrepareCompleted",
+    )
+    assert [(d.request, d.device) for d in recorded.devices] == [("gpu/big", "gpu-0"), ("gpu/big", "gpu-1")]
+    assert recorded.devices[0].config == {
+        "apiVersion": gpu_config()["apiVersion"],
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "Exclusive"},
+    }
+    assert node.observer.prepares == [True]
+    assert preparer.prepared_claims == 1
+
+
+async def test_repeated_prepare_is_answered_from_the_record_even_after_a_restart(node: Node) -> None:
+    ref = new_ref()
+    node.allocate(ref, "gpu-3", share_id="abc")
+    first = await (await node.started()).prepare([ref])
+    gets = node.claims.gets
+
+    again = await (await node.started()).prepare([ref])  # a new plugin process, same files
+
+    assert again == first
+    assert devices_of(again[ref.uid])[0].share_id == "abc"
+    assert node.claims.gets == gets
+
+
+async def test_repeated_prepare_restores_a_lost_spec(node: Node) -> None:
+    preparer = await node.started()
+    ref = new_ref()
+    mps = gpu_config({"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": 40}})
+    node.allocate(ref, "gpu-1", configs=[opaque(mps)])
+    first = await preparer.prepare([ref])
+    node.specs.path_for(ref.uid).unlink()  # e.g. someone cleaned /var/run/cdi
+
+    again = await preparer.prepare([ref])
+
+    assert again == first
+    spec = json.loads(node.specs.path_for(ref.uid).read_text())
+    assert "DRA_GPU_MPS_ACTIVE_THREAD_PERCENTAGE_GPU_1=40" in spec["devices"][0]["containerEdits"]["env"]
+    assert node.on_disk().claims[ref.uid].devices[0].config == mps
+
+
+async def test_unprepare_removes_spec_and_record_and_tolerates_unknown_claims(node: Node) -> None:
+    preparer = await node.started()
+    ref, unknown = new_ref("c1"), new_ref("never")
+    node.allocate(ref, "gpu-0")
+    await preparer.prepare([ref])
+
+    assert await preparer.unprepare([ref, unknown]) == {ref.uid: None, unknown.uid: None}
+    assert await preparer.unprepare([ref]) == {ref.uid: None}
+
+    assert_nothing_left_for(node, ref.uid)
+    assert node.on_disk().claims == {}
+    assert node.observer.unprepares == [True, True, True]
+
+
+async def test_unprepared_device_can_be_prepared_for_another_claim(node: Node) -> None:
+    preparer = await node.started()
+    first, second = new_ref("first"), new_ref("second")
+    node.allocate(first, "gpu-0")
+    node.allocate(second, "gpu-0")
+    await preparer.prepare([first])
+    await preparer.unprepare([first])
+
+    devices_of((await preparer.prepare([second]))[second.uid])
+
+
+# --- bad input: a per-claim error, nothing written for that claim, the other claim unaffected -----------
+
+BAD_INPUTS = [
+    "claim not found",
+    "not allocated",
+    "uid mismatch",
+    "another pool only",
+    "another driver only",
+    "unknown device",
+    "invalid opaque config",
+    "device of another claim",
+]
+
+
+def bad_claim(node: Node, case: str, ref: ClaimRef) -> str:
+    """Set up ``ref`` as ``case``; returns what the error must say."""
+    match case:
+        case "claim not found":
+            return f"claim {ref.namespace}/{ref.name} not found"
+        case "not allocated":
+            node.claims.put(claim_json(ref, results=None))
+            return "is not allocated"
+        case "uid mismatch":
+            node.claims.put(claim_json(ref, [result("gpu-2")], uid="aaaaaaaa-0000-0000-0000-000000000000"))
+            return f"deleted and re-created (replaced): expected uid {ref.uid}, found aaaaaaaa-0000"
+        case "another pool only":
+            node.allocate(ref, "gpu-2", pool="node-b")
+            return "allocated to another node's pool or another driver only"
+        case "another driver only":
+            node.allocate(ref, "gpu-2", driver="gpu.nvidia.com")
+            return "allocated to another node's pool or another driver only"
+        case "unknown device":
+            node.allocate(ref, "gpu-2", "gpu-42")
+            return "device gpu-42 does not exist on this node"
+        case "invalid opaque config":
+            node.allocate(ref, "gpu-2", configs=[opaque(gpu_config({"strategy": "Sometimes"}))])
+            return "config[0] (FromClaim, all requests): sharing.strategy: Input should be"
+        case "device of another claim":
+            node.allocate(ref, "gpu-2", "gpu-5")  # gpu-5 belongs to the good claim
+            return "device gpu-5 is already prepared for claim default/good"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+async def test_bad_claim_fails_alone_and_leaves_nothing(node: Node, case: str) -> None:
+    preparer = await node.started()
+    good = new_ref("good")
+    node.allocate(good, "gpu-5")
+    await preparer.prepare([good])  # the good claim holds gpu-5 before the bad one arrives
+    bad = new_ref("bad")
+    complaint = bad_claim(node, case, bad)
+    other = new_ref("other")
+    node.allocate(other, "gpu-4")
+
+    outcomes = await preparer.prepare([bad, other])
+
+    assert complaint in error_of(outcomes[bad.uid])
+    devices_of(outcomes[other.uid])
+    assert_nothing_left_for(node, bad.uid)
+    assert set(node.on_disk().claims) == {good.uid, other.uid}
+    assert False in node.observer.prepares
+
+
+@pytest.mark.parametrize(
+    ("ref", "complaint"),
+    [
+        (ClaimRef("", "c", "0d7f3c52-1b6e-4bb7-9a1e-0c6a3c1e5b11"), "invalid claim namespace ''"),
+        (ClaimRef("Bad_NS", "c", "0d7f3c52-1b6e-4bb7-9a1e-0c6a3c1e5b11"), "invalid claim namespace"),
+        (ClaimRef("default", "", "0d7f3c52-1b6e-4bb7-9a1e-0c6a3c1e5b11"), "invalid claim name ''"),
+        (ClaimRef("default", "a/b", "0d7f3c52-1b6e-4bb7-9a1e-0c6a3c1e5b11"), "invalid claim name"),
+        (ClaimRef("default", "c", ""), "invalid claim uid ''"),
+        (ClaimRef("default", "c", "../../../etc/cdi/evil"), "invalid claim uid"),
+        (ClaimRef("default", "c", "x/y"), "invalid claim uid"),
+        (ClaimRef("default", "c", "nul\x00byte"), "invalid claim uid"),
+    ],
+)
+async def test_malformed_identity_fails_before_any_io(node: Node, ref: ClaimRef, complaint: str) -> None:
+    preparer = await node.started()
+    other = new_ref("other")
+    node.allocate(other, "gpu-0")
+    files_before = set(node.root.rglob("*"))
+
+    outcomes = await preparer.prepare([ref, other])
+    unprepared = await preparer.unprepare([ref])
+
+    assert complaint in error_of(outcomes[ref.uid])
+    assert complaint in error_of(unprepared[ref.uid])
+    devices_of(outcomes[other.uid])
+    assert node.claims.gets == 1  # only the good claim was fetched
+    new_files = set(node.root.rglob("*")) - files_before
+    assert {p.name for p in new_files if p.is_file()} <= {node.specs.path_for(other.uid).name}
+
+
+async def test_api_failure_is_a_per_claim_error(node: Node) -> None:
+    class Unreachable:
+        async def get(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+            raise ClaimFetchError("GET resource.k8s.io/v1 ResourceClaim default/c: connection refused")
+
+    preparer = await node.started(Unreachable())
+    ref = new_ref("c")
+
+    outcome = await preparer.prepare([ref])
+
+    assert "connection refused" in error_of(outcome[ref.uid])
+    assert_nothing_left_for(node, ref.uid)
+
+
+async def test_failed_spec_write_leaves_neither_spec_nor_record(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    preparer = await node.started()
+    ref, other = new_ref("c"), new_ref("other")
+    node.allocate(ref, "gpu-0")
+    node.allocate(other, "gpu-1")
+    real_write = node.specs.write
+
+    def failing_write(claim_uid: str, spec: Mapping[str, Any]) -> Path:
+        if claim_uid == ref.uid:
+            raise OSError(5, "Input/output error")
+        return real_write(claim_uid, spec)
+
+    monkeypatch.setattr(preparer._specs, "write", failing_write)
+
+    outcomes = await preparer.prepare([ref, other])
+
+    assert "Input/output error" in error_of(outcomes[ref.uid])
+    assert_nothing_left_for(node, ref.uid)
+    devices_of(outcomes[other.uid])
+    # gpu-0 is free again for a retry
+    monkeypatch.undo()
+    devices_of((await preparer.prepare([ref]))[ref.uid])
+
+
+# --- exclusivity, admin access ------------------------------------------------------------------------
+
+
+async def test_two_claims_racing_for_one_device_exactly_one_wins(node: Node) -> None:
+    preparer = await node.started()
+    refs = [new_ref(f"racer-{i}") for i in range(8)]
+    for ref in refs:
+        node.allocate(ref, "gpu-1")
+
+    outcomes = await preparer.prepare(refs)
+
+    winners = [uid for uid, outcome in outcomes.items() if isinstance(outcome, tuple)]
+    assert len(winners) == 1
+    assert set(node.on_disk().claims) == set(winners)
+    for uid, outcome in outcomes.items():
+        if uid not in winners:
+            assert "device gpu-1 is already prepared for claim default/racer-" in error_of(outcome)
+            assert_nothing_left_for(node, uid)
+
+
+async def test_admin_access_shares_a_device_in_use(node: Node) -> None:
+    preparer = await node.started()
+    workload, monitor, late = new_ref("workload"), new_ref("monitor"), new_ref("late")
+    node.allocate(monitor, "gpu-2", admin_access=True)
+    node.allocate(workload, "gpu-2")
+    node.allocate(late, "gpu-2")
+
+    devices_of((await preparer.prepare([monitor]))[monitor.uid])
+    devices_of((await preparer.prepare([workload]))[workload.uid])
+    assert "already prepared for claim default/workload" in error_of(
+        (await preparer.prepare([late]))[late.uid]
+    )
+    assert node.on_disk().claims[monitor.uid].devices[0].admin_access is True
+
+
+# --- concurrency ----------------------------------------------------------------------------------------
+
+
+async def test_200_concurrent_prepares_are_all_recorded(node: Node) -> None:
+    preparer = await node.started()
+    refs = [new_ref(f"c{i}") for i in range(200)]
+    for i, ref in enumerate(refs):
+        node.allocate(ref, f"gpu-{i % 6}", share_id=f"share-{i}")
+
+    outcomes = await preparer.prepare(refs)
+
+    assert all(isinstance(o, tuple) for o in outcomes.values())
+    on_disk = node.on_disk()
+    assert set(on_disk.claims) == {r.uid for r in refs}
+    assert {r.phase for r in on_disk.claims.values()} == {"PrepareCompleted"}
+    assert node.specs.claim_uids() == {r.uid for r in refs}
+    assert node.observer.prepares == [True] * 200
+
+
+async def test_kubelet_retry_during_a_prepare_waits_for_it(node: Node) -> None:
+    gate = asyncio.Event()
+    fetching = asyncio.Event()
+    claims = node.claims
+
+    class Slow:
+        async def get(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+            fetching.set()
+            await gate.wait()
+            return await claims.get(namespace, name)
+
+    preparer = await node.started(Slow())
+    ref = new_ref()
+    node.allocate(ref, "gpu-0")
+
+    first = asyncio.create_task(preparer.prepare([ref]))
+    await fetching.wait()
+    first.cancel()  # the kubelet's 45 s timeout
+    retry = asyncio.create_task(preparer.prepare([ref]))
+    gate.set()
+
+    outcome = await retry
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert devices_of(outcome[ref.uid])[0].device == "gpu-0"
+    assert claims.gets == 1  # the retry was answered from the first attempt's record
+    assert node.on_disk().claims[ref.uid].phase == "PrepareCompleted"
+
+
+async def test_two_plugin_instances_keep_each_others_claims(node: Node) -> None:
+    old, new = await node.started(), await node.started()  # a rolling update
+    a, b, c, clash = new_ref("a"), new_ref("b"), new_ref("c"), new_ref("clash")
+    node.allocate(a, "gpu-0")
+    node.allocate(b, "gpu-1")
+    node.allocate(c, "gpu-2")
+    node.allocate(clash, "gpu-0")
+
+    devices_of((await old.prepare([a]))[a.uid])
+    devices_of((await new.prepare([b]))[b.uid])
+    devices_of((await old.prepare([c]))[c.uid])
+    refused = await new.prepare([clash])
+
+    assert set(node.on_disk().claims) == {a.uid, b.uid, c.uid}
+    assert "device gpu-0 is already prepared for claim default/a" in error_of(refused[clash.uid])
+    assert await new.unprepare([a]) == {a.uid: None}
+    assert set(node.on_disk().claims) == {b.uid, c.uid}
+
+
+# --- restarts: leftovers, reboots, damaged checkpoints ---------------------------------------------------
+
+
+def write_leftover(node: Node, ref: ClaimRef, device: str) -> None:
+    """What a crash between writing the spec and recording PrepareCompleted leaves behind."""
+    spec_path = node.specs.path_for(ref.uid)
+    spec_path.parent.mkdir(parents=True, exist_ok=True)
+    spec_path.write_text(json.dumps({"cdiVersion": "0.5.0", "kind": KIND, "devices": []}))
+    record = ClaimRecord(
+        namespace=ref.namespace,
+        name=ref.name,
+        phase="PrepareStarted",
+        attempt="crashed",
+        devices=(
+            DeviceRecord(
+                request="gpu", pool=NODE, device=device, cdi_device_ids=(f"{KIND}={ref.uid}-{device}",)
+            ),
+        ),
+    )
+    boot_id = node.boot_id_path.read_text().strip()
+    ckpt.write(node.checkpoint_path, ckpt.Checkpoint(boot_id=boot_id, claims={ref.uid: record}))
+
+
+async def test_leftover_of_a_crash_is_taken_over_by_the_next_prepare(node: Node) -> None:
+    ref, other = new_ref("c"), new_ref("other")
+    write_leftover(node, ref, "gpu-0")
+    preparer = await node.started()
+    node.allocate(ref, "gpu-0")
+    node.allocate(other, "gpu-0")
+
+    assert "already prepared for claim default/c" in error_of((await preparer.prepare([other]))[other.uid])
+    outcome = await preparer.prepare([ref])
+
+    assert devices_of(outcome[ref.uid])[0].cdi_device_ids == (f"{KIND}={ref.uid}-gpu-0",)
+    assert node.on_disk().claims[ref.uid].phase == "PrepareCompleted"
+    assert spec_devices(node.specs.path_for(ref.uid)) == [f"{ref.uid}-gpu-0"]
+
+
+async def test_leftover_of_a_crash_is_cleaned_by_unprepare(node: Node) -> None:
+    ref = new_ref("c")
+    write_leftover(node, ref, "gpu-0")
+    preparer = await node.started()
+
+    assert await preparer.unprepare([ref]) == {ref.uid: None}
+
+    assert_nothing_left_for(node, ref.uid)
+
+
+async def test_reboot_clears_every_claim_and_spec(node: Node) -> None:
+    ref = new_ref()
+    node.allocate(ref, "gpu-0")
+    await (await node.started()).prepare([ref])
+    stray = node.specs.path_for("0d7f3c52-1b6e-4bb7-9a1e-0c6a3c1e5b11")
+    stray.write_text(node.specs.path_for(ref.uid).read_text())
+
+    node.reboot()
+    preparer = await node.started()
+
+    assert node.on_disk().claims == {}
+    assert node.on_disk().boot_id == node.boot_id_path.read_text().strip()
+    assert node.specs.claim_uids() == set()
+    assert preparer.prepared_claims == 0
+    devices_of((await preparer.prepare([ref]))[ref.uid])  # the kubelet prepares it again
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "not json", "unknown schema"])
+async def test_damaged_checkpoint_is_rebuilt_from_the_cdi_specs(node: Node, damage: str) -> None:
+    kept, other = new_ref("kept"), new_ref("other")
+    node.allocate(kept, "gpu-0", "gpu-1")
+    await (await node.started()).prepare([kept])
+    data = node.checkpoint_path.read_bytes()
+    match damage:
+        case "truncate":
+            data = data[: len(data) // 2]
+        case "flip":
+            at = data.index(b'"gpu-0"') + 2
+            data = data[:at] + b"q" + data[at + 1 :]
+        case "not json":
+            data = b"\x00" * 64
+        case "unknown schema":
+            data = data.replace(b'"schemaVersion": 1', b'"schemaVersion": 99')
+    node.checkpoint_path.write_bytes(data)
+
+    preparer = await node.started()  # must not crash
+
+    aside = list(node.checkpoint_path.parent.glob("checkpoint.json.corrupt-*"))
+    assert len(aside) == 1
+    assert aside[0].read_bytes() == data
+    recovered = node.on_disk().claims[kept.uid]
+    assert recovered.phase == "Recovered"
+    assert [d.device for d in recovered.devices] == ["gpu-0", "gpu-1"]
+    # The recovered claim still holds its devices ...
+    node.allocate(other, "gpu-1")
+    complaint = error_of((await preparer.prepare([other]))[other.uid])
+    assert f"device gpu-1 is already prepared for claim {kept.uid} (recovered from its CDI spec)" in complaint
+    # ... its repeated prepare learns the rest again, and its unprepare releases them.
+    again = devices_of((await preparer.prepare([kept]))[kept.uid])
+    assert [d.device for d in again] == ["gpu-0", "gpu-1"]
+    assert node.on_disk().claims[kept.uid].phase == "PrepareCompleted"
+    assert await preparer.unprepare([kept]) == {kept.uid: None}
+    devices_of((await preparer.prepare([other]))[other.uid])
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{torn",
+        "[1, 2]",
+        json.dumps({"kind": KIND, "devices": 5}),
+        json.dumps({"kind": KIND, "devices": [{"name": "someone-else-gpu-0"}, 7]}),
+        json.dumps({"devices": [{"name": "0d7f3c52-1b6e-4bb7-9a1e-0c6a3c1e5b11-gpu-0"}]}),
+    ],
+)
+async def test_unusable_spec_found_during_rebuild_is_removed(node: Node, content: str) -> None:
+    uid = "0d7f3c52-1b6e-4bb7-9a1e-0c6a3c1e5b11"
+    node.cdi_dir.mkdir(parents=True)
+    node.specs.path_for(uid).write_text(content)
+    node.checkpoint_path.parent.mkdir(parents=True)
+    node.checkpoint_path.write_text("{torn")
+
+    await node.started()
+
+    assert node.on_disk().claims == {}
+    assert node.specs.claim_uids() == set()
+
+
+# --- logs -------------------------------------------------------------------------------------------------
+
+
+async def test_every_prepare_log_line_names_the_claim(node: Node) -> None:
+    capture = structlog.testing.LogCapture()
+    saved = structlog.get_config()
+    structlog.configure(processors=[structlog.contextvars.merge_contextvars, capture])
+    try:
+        preparer = await node.started()
+        good, bad = new_ref("good"), new_ref("bad")
+        node.allocate(good, "gpu-0")
+        capture.entries.clear()
+
+        await preparer.prepare([good, bad])
+    finally:
+        structlog.configure(**saved)
+
+    by_claim = {ref.uid: [e for e in capture.entries if e.get("claim_uid") == ref.uid] for ref in (good, bad)}
+    assert [e["event"] for e in by_claim[good.uid]] == ["claim prepared"]
+    assert [e["event"] for e in by_claim[bad.uid]] == ["prepare failed"]
+    assert all(e.get("claim_uid") for e in capture.entries)
+    assert by_claim[bad.uid][0]["claim_namespace"] == "default"
+    assert by_claim[bad.uid][0]["claim_name"] == "bad"
