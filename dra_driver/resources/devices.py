@@ -1,0 +1,292 @@
+"""The node's GPUs as DRA devices: the pure mapping from an Inventory to resource.k8s.io/v1.
+
+Per physical GPU, in this order:
+
+* the full GPU ``gpu-<minor>``, unless MIG mode is on (then CUDA cannot use it whole);
+* MIG devices that exist and that the driver did not create ("static MIG", made by an
+  administrator), as concrete devices with their ``uuid``;
+* when the GPU offers partitions ("dynamic MIG"), one device per placement that can still be
+  created, each consuming its profile's share and exactly its memory slices from the GPU's
+  counter set; the full GPU then consumes every counter of that set.
+
+Static MIG devices stay outside the counter set: they occupy their slices whether or not
+anyone allocated them, so counting them only when allocated would let the scheduler hand
+out a placement on top of one. Instead the placements that overlap them (or exceed their
+profile's instance count) are not offered at all, and the capacities are those of the rest.
+MIG devices the driver created itself are published as their placement, under the same name,
+so an allocated device keeps its name and its counter accounting.
+
+Attribute names are NVIDIA's (unqualified, i.e. in the driver's domain), so CEL written for
+NVIDIA's driver works when this one is deployed under that driver name.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from dra_driver.devices.types import Gpu, Inventory, MigDevice, MigProfile, Placement
+from dra_driver.resources.naming import (
+    counter_set_name,
+    gpu_device_name,
+    memory_slice_counter,
+    mig_device_name,
+    require_dns_label,
+)
+from dra_driver.resources.partitions import ENGINE_COUNTERS, partition_budget, profile_share
+from dra_driver.resources.wire import (
+    Counter,
+    CounterSet,
+    Device,
+    DeviceAttribute,
+    DeviceCapacity,
+    DeviceTaint,
+)
+
+PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
+PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
+DEVICE_TAINTS_MAX = 16  # per device, API limit
+
+VERSION_MAX_LENGTH = 64  # API limit for string and version attribute values
+_NUMERIC_VERSION = re.compile(r"[0-9]+(\.[0-9]+){0,2}")
+
+
+def semver(version: str) -> str:
+    """A dotted numeric version as semver 2.0.0: ``"580.95.05"`` -> ``"580.95.5"``, ``"13"`` -> ``"13.0.0"``.
+
+    The API only accepts semver in version attributes, and semver forbids leading zeros,
+    which NVIDIA driver versions have. Missing minor or patch parts become 0.
+    """
+    if not _NUMERIC_VERSION.fullmatch(version):
+        raise ValueError(
+            f"cannot publish version {version!r}: expected one to three dot-separated numbers, "
+            "e.g. '580.95.05'"
+        )
+    parts = [str(int(part)) for part in version.split(".")]
+    result = ".".join(parts + ["0"] * (3 - len(parts)))
+    if len(result) > VERSION_MAX_LENGTH:
+        raise ValueError(f"cannot publish version {version!r}: longer than {VERSION_MAX_LENGTH} characters")
+    return result
+
+
+PartitionPolicy = Callable[[Gpu], bool]
+"""Decides which MIG-capable GPUs offer dynamic MIG partitions."""
+
+
+def partition_all(gpu: Gpu) -> bool:
+    """Every GPU whose hardware allows it offers partitions."""
+    return True
+
+
+def partition_none(gpu: Gpu) -> bool:
+    """No GPU offers partitions (MIG publishing disabled)."""
+    return False
+
+
+def partition_selected(ids: Collection[str]) -> PartitionPolicy:
+    """Only the GPUs named in ``ids`` by UUID or by minor number ("0") offer partitions."""
+    wanted = frozenset(ids)
+    return lambda gpu: gpu.uuid in wanted or str(gpu.minor) in wanted
+
+
+@dataclass(frozen=True)
+class GpuDevices:
+    """Everything one physical GPU contributes to the pool."""
+
+    devices: tuple[Device, ...]
+    # Present when the GPU offers partitions; its devices consume from it.
+    counter_set: CounterSet | None = None
+
+
+def build_devices(
+    inventory: Inventory,
+    *,
+    partition: PartitionPolicy = partition_all,
+    owned_mig_uuids: Collection[str] = frozenset(),
+    taints: Mapping[str, Sequence[DeviceTaint]] | None = None,
+) -> list[GpuDevices]:
+    """The devices of every GPU in ``inventory``, ordered by minor number.
+
+    ``partition`` selects the GPUs that offer dynamic MIG; a GPU offers it only when the
+    hardware also allows it (see :func:`offers_partitions`). ``owned_mig_uuids`` are the MIG
+    devices the driver created for claims; every other MIG device is static. ``taints`` maps a
+    device name to the taints to publish on it (names not published here are ignored).
+    """
+    result: list[GpuDevices] = []
+    for gpu in sorted(inventory.gpus, key=lambda g: g.minor):
+        gpu_devices = _gpu_devices(inventory, gpu, partition(gpu) and offers_partitions(gpu), owned_mig_uuids)
+        if taints:
+            gpu_devices = GpuDevices(
+                devices=tuple(
+                    _with_taints(device, taints.get(device["name"], ())) for device in gpu_devices.devices
+                ),
+                counter_set=gpu_devices.counter_set,
+            )
+        result.append(gpu_devices)
+    _check_unique_names(result)
+    return result
+
+
+def offers_partitions(gpu: Gpu) -> bool:
+    """Whether placements on ``gpu`` could be created at prepare time.
+
+    That needs MIG mode on, or a GPU that can switch it on without a reset (Hopper and newer):
+    an Ampere GPU with MIG off would need a reset, which the driver never does under a node.
+    """
+    return (
+        gpu.mig_capable
+        and bool(gpu.mig_profiles)
+        and (gpu.mig_enabled or not gpu.mig_mode_change_requires_reset)
+    )
+
+
+def _gpu_devices(inventory: Inventory, gpu: Gpu, partitioned: bool, owned: Collection[str]) -> GpuDevices:
+    common = _common_attributes(inventory, gpu)
+    static = tuple(m for m in gpu.mig_devices if not (partitioned and m.uuid in owned))
+    static_devices = tuple(
+        _mig_device(gpu, _profile_of(gpu, m), m.placement, common, uuid=m.uuid) for m in static
+    )
+    if not partitioned:
+        whole = () if gpu.mig_enabled else (_full_gpu(gpu, common),)
+        return GpuDevices(devices=whole + static_devices)
+
+    budget = partition_budget(gpu.mig_profiles, gpu.memory_slices, ((m.profile, m.placement) for m in static))
+    if not budget.offered:
+        return GpuDevices(devices=static_devices)
+    capacities = dict(budget.capacities)
+    if not gpu.mig_enabled:
+        # The full GPU is offered too and consumes everything, so its own totals must fit.
+        capacities["multiprocessors"] = max(capacities["multiprocessors"], gpu.multiprocessors)
+        capacities["memory"] = max(capacities["memory"], gpu.memory_bytes)
+    counter_set: CounterSet = {
+        "name": require_dns_label(counter_set_name(gpu.minor), "counter set name"),
+        "counters": {
+            **{name: _counter(capacities[name]) for name in ENGINE_COUNTERS},
+            **{memory_slice_counter(i): _counter(1) for i in range(gpu.memory_slices)},
+        },
+    }
+    devices: list[Device] = []
+    if not gpu.mig_enabled:
+        full = _full_gpu(gpu, common)
+        full["consumesCounters"] = [
+            {"counterSet": counter_set["name"], "counters": dict(counter_set["counters"])}
+        ]
+        devices.append(full)
+    devices.extend(static_devices)
+    for profile, placement in budget.offered:
+        device = _mig_device(gpu, profile, placement, common, uuid=None)
+        share = profile_share(profile)
+        device["consumesCounters"] = [
+            {
+                "counterSet": counter_set["name"],
+                "counters": {
+                    **{name: _counter(share[name]) for name in ENGINE_COUNTERS},
+                    **{memory_slice_counter(i): _counter(1) for i in placement.memory_slices},
+                },
+            }
+        ]
+        devices.append(device)
+    return GpuDevices(devices=tuple(devices), counter_set=counter_set)
+
+
+def _common_attributes(inventory: Inventory, gpu: Gpu) -> dict[str, DeviceAttribute]:
+    """What a full GPU and its MIG devices both carry: product, versions, PCI identity."""
+    major, minor = gpu.cuda_compute_capability
+    cuda_major, cuda_minor = inventory.cuda_driver_version
+    attributes: dict[str, DeviceAttribute] = {
+        "productName": {"string": gpu.product_name},
+        "brand": {"string": gpu.brand},
+        "architecture": {"string": gpu.architecture},
+        "cudaComputeCapability": {"version": semver(f"{major}.{minor}")},
+        "driverVersion": {"version": semver(inventory.driver_version)},
+        "cudaDriverVersion": {"version": semver(f"{cuda_major}.{cuda_minor}")},
+        "vendor": {"string": "NVIDIA"},
+        "pciVendorID": {"string": f"0x{gpu.pci_vendor_id:04x}"},
+        "pciDeviceID": {"string": f"0x{gpu.pci_device_id:04x}"},
+    }
+    if gpu.pci_bus_id:
+        attributes[PCI_BUS_ID] = {"string": gpu.pci_bus_id}
+    if gpu.pcie_root:
+        attributes[PCIE_ROOT] = {"string": gpu.pcie_root}
+    return attributes
+
+
+def _full_gpu(gpu: Gpu, common: dict[str, DeviceAttribute]) -> Device:
+    return {
+        "name": require_dns_label(gpu_device_name(gpu.minor), "device name"),
+        "attributes": {"type": {"string": "gpu"}, "uuid": {"string": gpu.uuid}, **common},
+        "capacity": {
+            "memory": _capacity(gpu.memory_bytes),
+            "multiprocessors": _capacity(gpu.multiprocessors),
+        },
+    }
+
+
+def _mig_device(
+    gpu: Gpu,
+    profile: MigProfile,
+    placement: Placement,
+    common: dict[str, DeviceAttribute],
+    *,
+    uuid: str | None,
+) -> Device:
+    """A MIG device: an existing one when ``uuid`` is given, else a placement to create on demand."""
+    attributes: dict[str, DeviceAttribute] = {"type": {"string": "mig"}}
+    if uuid is not None:
+        attributes["uuid"] = {"string": uuid}
+    attributes |= {"profile": {"string": profile.name}, "parentUUID": {"string": gpu.uuid}, **common}
+    name = mig_device_name(gpu.minor, profile.name, profile.profile_id, placement.start)
+    return {
+        "name": require_dns_label(name, "MIG device name"),
+        "attributes": attributes,
+        "capacity": {
+            "multiprocessors": _capacity(profile.multiprocessors),
+            "copyEngines": _capacity(profile.copy_engines),
+            "decoders": _capacity(profile.decoders),
+            "encoders": _capacity(profile.encoders),
+            "jpegEngines": _capacity(profile.jpeg_engines),
+            "ofaEngines": _capacity(profile.ofa_engines),
+            "memory": _capacity(profile.memory_bytes),
+        },
+    }
+
+
+def _profile_of(gpu: Gpu, mig: MigDevice) -> MigProfile:
+    profile = gpu.profile(mig.profile)
+    if profile is None:
+        raise ValueError(
+            f"MIG device {mig.uuid} on GPU {gpu.uuid} has profile {mig.profile!r}, which the GPU does "
+            "not list among its MIG profiles; the device backend must report every profile"
+        )
+    return profile
+
+
+def _with_taints(device: Device, taints: Sequence[DeviceTaint]) -> Device:
+    if not taints:
+        return device
+    if len(taints) > DEVICE_TAINTS_MAX:
+        raise ValueError(
+            f"device {device['name']} has {len(taints)} taints; the API allows at most {DEVICE_TAINTS_MAX}"
+        )
+    return {**device, "taints": list(taints)}
+
+
+def _check_unique_names(gpus: Sequence[GpuDevices]) -> None:
+    seen: set[str] = set()
+    for gpu in gpus:
+        for device in gpu.devices:
+            if device["name"] in seen:
+                raise ValueError(
+                    f"two devices are both named {device['name']!r}; GPU minor numbers must be unique "
+                    "on a node, check what the device backend reports"
+                )
+            seen.add(device["name"])
+
+
+def _capacity(value: int) -> DeviceCapacity:
+    return {"value": str(value)}
+
+
+def _counter(value: int) -> Counter:
+    return {"value": str(value)}
