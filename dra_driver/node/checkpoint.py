@@ -41,7 +41,7 @@ SCHEMA_VERSION = 1
 log = structlog.get_logger(__name__)
 
 Phase = Literal["PrepareStarted", "PrepareCompleted", "Recovered"]
-"""PrepareStarted: devices reserved, side effects (CDI spec, later MIG devices) may be
+"""PrepareStarted: devices reserved, side effects (MIG devices, CDI spec) may be
 half done. PrepareCompleted: everything done; a repeated prepare returns it as is.
 Recovered: rebuilt from a CDI spec after the checkpoint was lost; the devices are
 known and stay reserved until the claim's unprepare, or until a repeated prepare
@@ -54,6 +54,22 @@ class _Record(BaseModel):
     )
 
 
+class MigRecord(_Record):
+    """The MIG device that prepare creates for a MIG placement (dynamic MIG) and unprepare destroys.
+
+    It is recorded with PrepareStarted, before the device is created, and ``uuid`` is added
+    once the device exists: after a crash in between, the placement still tells which live
+    instance is ours (see :mod:`dra_driver.node.recovery`).
+    """
+
+    parent_uuid: str
+    parent_device: str  # the full GPU's device name ("gpu-0"): not preparable while this exists
+    profile_id: int  # the GPU-instance profile id, as the backend takes it
+    placement_start: int
+    placement_size: int
+    uuid: str | None = None  # "MIG-...", once created
+
+
 class DeviceRecord(_Record):
     """One prepared allocation result."""
 
@@ -64,9 +80,7 @@ class DeviceRecord(_Record):
     share_id: str | None = None
     cdi_device_ids: tuple[str, ...]
     config: dict[str, Any] | None = None  # the effective opaque config, as the user would write it
-    # What prepare created for this result and unprepare must destroy: the MIG device of a
-    # MIG placement (dynamic MIG). Recorded once created, so a crash in between is repairable.
-    mig_uuid: str | None = None
+    mig: MigRecord | None = None  # set when prepare creates the device (dynamic MIG)
 
 
 class ClaimRecord(_Record):

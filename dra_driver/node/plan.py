@@ -3,7 +3,22 @@
 :func:`plan_claim` resolves every allocated device name to the hardware behind it,
 decides each device's effective opaque config, and computes the claim's CDI spec. It
 touches nothing, so everything that can be wrong with a claim is found before the
-first side effect; the preparer then only records and writes what the plan says.
+first side effect; the preparer then only records, creates and writes what the plan says.
+
+A device name resolves to one of three things (names follow
+:mod:`dra_driver.resources.naming`, the rule the published slices use):
+
+* a full GPU, ``gpu-<minor>``: refused while the GPU has MIG devices, because CUDA
+  cannot use it whole then;
+* a MIG device that exists: a static one an administrator made, or one this driver
+  made earlier for the same claim (a repeated prepare uses it again);
+* a MIG placement to create (dynamic MIG), only on a GPU that offers partitions (the
+  same rule that publishes them). Its CDI spec needs the new device's uuid and
+  capability nodes, so the plan's spec is complete once :meth:`ClaimPlan.with_created`
+  has been given every created device.
+
+Whether a placement overlaps a live instance is not decided here: the inventory may
+be seconds old, and the hardware refuses an overlap when the device is created.
 
 What the sharing settings do. They are validated (also against the device, e.g. an
 MPS memory limit larger than the device), recorded in the checkpoint, and announced
@@ -25,7 +40,9 @@ its client limits from these variables (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 from dra_driver.cdi.spec import (
@@ -36,7 +53,7 @@ from dra_driver.cdi.spec import (
     claim_spec,
     uuid_env_name,
 )
-from dra_driver.devices.types import DeviceNode, Gpu, Inventory, MigDevice
+from dra_driver.devices.types import DeviceNode, Gpu, Inventory, MigDevice, MigProfile, Placement
 from dra_driver.node.claims import AllocatedClaim, AllocationResult, ClaimRejected
 from dra_driver.node.config import (
     DEFAULT_GPU_CONFIG,
@@ -51,22 +68,44 @@ from dra_driver.node.config import (
     effective_config,
     quantity_bytes,
 )
+from dra_driver.resources.devices import PartitionPolicy, offers_partitions, partition_all
 from dra_driver.resources.naming import gpu_device_name, mig_device_name
 
 
 @dataclass(frozen=True)
+class MigPlacement:
+    """A MIG device that prepare creates: a GPU instance of ``profile`` at exactly ``placement``."""
+
+    profile: MigProfile
+    placement: Placement
+
+
+@dataclass(frozen=True)
 class Target:
-    """The hardware an allocated device name stands for: a full GPU, or an existing MIG device on it."""
+    """The hardware an allocated device name stands for.
+
+    A full GPU (``mig`` and ``create`` unset); an existing MIG device (``mig``); or a MIG
+    device the driver creates (``create``; ``mig`` too once it exists).
+    """
 
     gpu: Gpu
     mig: MigDevice | None = None
+    create: MigPlacement | None = None
+
+    @property
+    def is_mig(self) -> bool:
+        return self.mig is not None or self.create is not None
 
     @property
     def uuid(self) -> str:
+        if self.create is not None and self.mig is None:
+            raise ValueError(f"the MIG device on GPU {self.gpu.uuid} is not created yet; it has no uuid")
         return self.mig.uuid if self.mig else self.gpu.uuid
 
     @property
     def memory_bytes(self) -> int:
+        if self.create is not None:
+            return self.create.profile.memory_bytes
         if self.mig is None:
             return self.gpu.memory_bytes
         profile = self.gpu.profile(self.mig.profile)
@@ -89,20 +128,66 @@ class PlannedDevice:
 class ClaimPlan:
     claim: AllocatedClaim
     devices: tuple[PlannedDevice, ...]  # one per allocation result of ours, in allocation order
-    cdi_spec: dict[str, Any]
+    driver_name: str
+    common: CommonEdits
+
+    @property
+    def to_create(self) -> dict[str, tuple[Gpu, MigPlacement]]:
+        """The MIG devices still to create, by device name (results sharing one device share it)."""
+        return {
+            d.result.device: (d.target.gpu, d.target.create)
+            for d in self.devices
+            if d.target.create is not None and d.target.mig is None
+        }
+
+    def with_created(self, device: str, mig: MigDevice) -> ClaimPlan:
+        """This plan once the MIG device for ``device`` exists."""
+        return replace(
+            self,
+            devices=tuple(
+                replace(d, target=replace(d.target, mig=mig)) if d.result.device == device else d
+                for d in self.devices
+            ),
+        )
+
+    @cached_property
+    def cdi_spec(self) -> dict[str, Any]:
+        """The claim's CDI spec; ValueError while a MIG device is still to be created."""
+        if self.to_create:
+            raise ValueError(f"MIG devices {', '.join(self.to_create)} are not created yet")
+        # Two results naming one device (shares of one device) need only one CDI device.
+        cdi_devices = list(dict.fromkeys(_cdi_device(device) for device in self.devices))
+        try:
+            return claim_spec(self.driver_name, self.claim.ref.uid, cdi_devices, self.common)
+        except ValueError as error:
+            raise ClaimRejected(f"cannot build the CDI spec for claim {self.claim.ref}: {error}") from None
 
 
 def plan_claim(
-    claim: AllocatedClaim, inventory: Inventory, driver_name: str, common: CommonEdits
+    claim: AllocatedClaim,
+    inventory: Inventory,
+    driver_name: str,
+    common: CommonEdits,
+    *,
+    partition: PartitionPolicy = partition_all,
+    mig_holders: Mapping[str, str] | None = None,
 ) -> ClaimPlan:
-    """Everything preparing ``claim`` means; :class:`ClaimRejected` if any of it is impossible."""
-    targets = {result: _resolve(result.device, inventory) for result in claim.results}
+    """Everything preparing ``claim`` means; :class:`ClaimRejected` if any of it is impossible.
+
+    ``partition`` is the policy that decides which GPUs publish MIG placements; only those
+    get MIG devices created. ``mig_holders`` maps the uuid of every MIG device the driver
+    created to the uid of the claim it was created for.
+    """
+    holders = mig_holders or {}
+    targets = {
+        result: _resolve(result, claim.ref.uid, inventory, partition, holders) for result in claim.results
+    }
     try:
         decoded = [(entry, decode_config(entry)) for entry in claim.configs]
     except ConfigError as error:
         raise ClaimRejected(str(error)) from None
-    gpu_results = [r for r in claim.results if targets[r].mig is None]
-    mig_results = [r for r in claim.results if targets[r].mig is not None]
+    gpu_results = [r for r in claim.results if not targets[r].is_mig]
+    mig_results = [r for r in claim.results if targets[r].is_mig]
     configs: dict[AllocationResult, DeviceConfig] = {
         **effective_config(gpu_results, [(e, c) for e, c in decoded if isinstance(c, GpuConfig)]),
         **effective_config(mig_results, [(e, c) for e, c in decoded if isinstance(c, MigDeviceConfig)]),
@@ -111,46 +196,92 @@ def plan_claim(
         PlannedDevice(
             result=result,
             target=targets[result],
-            config=configs.get(result, DEFAULT_MIG_CONFIG if targets[result].mig else DEFAULT_GPU_CONFIG),
+            config=configs.get(result, DEFAULT_MIG_CONFIG if targets[result].is_mig else DEFAULT_GPU_CONFIG),
             cdi_device_id=cdi_device_id(driver_name, claim.ref.uid, result.device),
         )
         for result in claim.results
     )
     for device in devices:
         _check_fits(device)
-    # Two results naming one device (shares of one device) need only one CDI device.
-    cdi_devices = list(dict.fromkeys(_cdi_device(device) for device in devices))
-    try:
-        spec = claim_spec(driver_name, claim.ref.uid, cdi_devices, common)
-    except ValueError as error:
-        raise ClaimRejected(f"cannot build the CDI spec for claim {claim.ref}: {error}") from None
-    return ClaimPlan(claim=claim, devices=devices, cdi_spec=spec)
+    plan = ClaimPlan(claim=claim, devices=devices, driver_name=driver_name, common=common)
+    if not plan.to_create:
+        plan.cdi_spec  # noqa: B018 -- built now, so that a spec no runtime would accept rejects the claim
+    return plan
 
 
-def _resolve(device: str, inventory: Inventory) -> Target:
+def _resolve(
+    result: AllocationResult,
+    claim_uid: str,
+    inventory: Inventory,
+    partition: PartitionPolicy,
+    mig_holders: Mapping[str, str],
+) -> Target:
+    device = result.device
     for gpu in inventory.gpus:
         if device == gpu_device_name(gpu.minor):
-            if gpu.mig_enabled:
+            if gpu.mig_enabled or gpu.mig_devices:
                 raise ClaimRejected(
                     f"device {device} is in MIG mode and cannot be used whole; "
                     "the claim was allocated from a stale ResourceSlice and needs a new allocation"
                 )
             return Target(gpu)
-        for mig in gpu.mig_devices:
-            if device == mig_device_name(gpu.minor, mig.profile, mig.profile_id, mig.placement.start):
-                return Target(gpu, mig)
         for profile in gpu.mig_profiles:
             for placement in profile.placements:
                 if device == mig_device_name(gpu.minor, profile.name, profile.profile_id, placement.start):
-                    raise ClaimRejected(
-                        f"device {device} is a MIG placement that would have to be created; this driver "
-                        "version prepares full GPUs and existing MIG devices only"
+                    return _mig_target(
+                        result, claim_uid, gpu, MigPlacement(profile, placement), partition, mig_holders
                     )
     known = ", ".join(gpu_device_name(gpu.minor) for gpu in inventory.gpus) or "none"
     raise ClaimRejected(
         f"device {device} does not exist on this node (GPUs: {known}); the claim was allocated from a "
         "stale ResourceSlice: delete the pod so the claim is allocated again"
     )
+
+
+def _mig_target(
+    result: AllocationResult,
+    claim_uid: str,
+    gpu: Gpu,
+    wanted: MigPlacement,
+    partition: PartitionPolicy,
+    mig_holders: Mapping[str, str],
+) -> Target:
+    """The MIG device named by ``result``: the one that exists at its placement, or one to create."""
+    device = result.device
+    live = next(
+        (
+            m
+            for m in gpu.mig_devices
+            if m.profile_id == wanted.profile.profile_id and m.placement == wanted.placement
+        ),
+        None,
+    )
+    holder = mig_holders.get(live.uuid) if live else None
+    if live is not None and holder is None:
+        return Target(gpu, mig=live)  # static MIG: it stays when the claim is unprepared
+    if result.admin_access:
+        if live is None:
+            raise ClaimRejected(
+                f"device {device}: admin access to a MIG placement needs its MIG device to exist, and it "
+                "does not; the driver creates it only for a claim that is allocated it without admin access"
+            )
+        return Target(gpu, mig=live)  # someone else's: looked at, never destroyed by this claim
+    if live is not None and holder == claim_uid:
+        return Target(gpu, mig=live, create=wanted)  # created by an earlier attempt of this claim
+    if not (partition(gpu) and offers_partitions(gpu)):
+        reason = (
+            "MIG partitions are turned off for it (--mig-partitions)"
+            if offers_partitions(gpu)
+            else f"its MIG mode is off and switching it on needs a GPU reset ({gpu.architecture}), which "
+            "the driver never does; an administrator has to enable MIG mode"
+        )
+        raise ClaimRejected(
+            f"device {device} is a MIG placement on {gpu_device_name(gpu.minor)} ({gpu.product_name}), but "
+            f"the driver does not create MIG devices there: {reason}. The claim was allocated from a stale "
+            "ResourceSlice: delete the pod so the claim is allocated again"
+        )
+    # Held by another claim (the state refuses the reservation) or not there yet: to be created.
+    return Target(gpu, create=wanted)
 
 
 def _check_fits(device: PlannedDevice) -> None:

@@ -5,8 +5,14 @@ One prepare, for one claim::
     check the identity -> already PrepareCompleted (and its spec on disk)? answer from
     the record: idempotent, the kubelet prepares again after it restarts
     -> GET the claim -> keep our results -> plan (devices, configs, CDI spec; pure)
-    -> commit PrepareStarted (reserves the devices; refused if another claim holds one)
+    -> commit PrepareStarted (reserves the devices, records the MIG devices to create;
+       refused if another claim holds one)
+    -> create each MIG device, committing its uuid as soon as it exists
     -> write the CDI spec -> commit PrepareCompleted -> answer
+
+Unprepare destroys the claim's MIG devices first: while one cannot be destroyed (in
+use), the claim keeps its record and spec and the kubelet retries. Only then are the
+spec and the record removed.
 
 Claims are independent: each runs in its own task, so one slow GET or a refused
 device delays or fails only its own claim, and their checkpoint writes share fsyncs
@@ -14,9 +20,9 @@ device delays or fails only its own claim, and their checkpoint writes share fsy
 lock (the kubelet may retry a claim while the first attempt still runs), and
 continues when the kubelet gives up waiting (its 45 s timeout cancels the RPC): the
 retry then finds it done. A step that fails undoes the claim's earlier steps, so a
-failed prepare leaves no spec and no record; if even the undo fails, the record
-stays PrepareStarted, keeps the devices reserved, and the next prepare or unprepare
-of the claim takes it over.
+failed prepare leaves no spec, no record and no MIG device; if even the undo fails,
+the record stays PrepareStarted, keeps the devices reserved, and the next prepare
+or unprepare of the claim takes it over.
 
 Across plugin instances (rolling update) the journal's file lock and conflict rules
 keep devices exclusive. Two instances preparing the *same* claim at the same moment
@@ -37,22 +43,40 @@ import structlog
 
 from dra_driver.cdi.spec import CommonEdits
 from dra_driver.cdi.store import SpecStore
-from dra_driver.devices.types import Inventory
-from dra_driver.node.checkpoint import Checkpoint, ClaimRecord, DeviceRecord, LoadedCheckpoint, read_boot_id
+from dra_driver.devices.backend import Backend
+from dra_driver.devices.types import Gpu, Inventory, MigDevice
+from dra_driver.node.checkpoint import (
+    Checkpoint,
+    ClaimRecord,
+    DeviceRecord,
+    LoadedCheckpoint,
+    MigRecord,
+    read_boot_id,
+)
 from dra_driver.node.claim_fetcher import ClaimFetcher, ClaimFetchError
 from dra_driver.node.claims import ClaimRejected, allocated_claim, check_ref
 from dra_driver.node.config import config_json
 from dra_driver.node.journal import CheckpointWriteError, Journal
-from dra_driver.node.plan import ClaimPlan, plan_claim
+from dra_driver.node.partitioner import Partitioner, PartitionError
+from dra_driver.node.plan import ClaimPlan, MigPlacement, plan_claim
 from dra_driver.node.recovery import starting_state
-from dra_driver.node.state import Complete, MutationRejected, Release, Reserve
+from dra_driver.node.state import Complete, MutationRejected, Progress, Release, Reserve
 from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice, PrepareOutcome
+from dra_driver.resources.devices import PartitionPolicy, partition_all
+from dra_driver.resources.naming import gpu_device_name
 
 log = structlog.get_logger(__name__)
 
 _T = TypeVar("_T")
 # Errors that are about the claim, or transient (I/O), reported to the kubelet as they are.
-_CLAIM_ERRORS = (ClaimRejected, ClaimFetchError, MutationRejected, CheckpointWriteError, OSError)
+_CLAIM_ERRORS = (
+    ClaimRejected,
+    ClaimFetchError,
+    MutationRejected,
+    CheckpointWriteError,
+    PartitionError,
+    OSError,
+)
 
 
 class PrepareObserver(Protocol):
@@ -67,7 +91,11 @@ class NodePreparer:
     """Prepares claims allocated from pool ``node_name`` of driver ``driver_name``.
 
     ``inventory`` is called on the event loop for every claim it plans, so it must not
-    block: pass the app's cached view of the backend, not a hardware read.
+    block: pass the app's cached view of the backend, not a hardware read. After every
+    MIG device it creates or destroys, the preparer reads ``backend`` again and passes
+    the result to ``on_inventory_changed``, which must make ``inventory`` return it
+    (and republish). ``partition`` is the policy that publishes MIG placements: only
+    GPUs it selects get MIG devices created.
     """
 
     def __init__(
@@ -75,27 +103,33 @@ class NodePreparer:
         *,
         driver_name: str,
         node_name: str,
+        backend: Backend,
         inventory: Callable[[], Inventory],
         claims: ClaimFetcher,
         specs: SpecStore,
         common_edits: CommonEdits,
         checkpoint_path: Path,
         boot_id_path: Path,
+        partition: PartitionPolicy = partition_all,
+        on_inventory_changed: Callable[[Inventory], None] | None = None,
         observer: PrepareObserver | None = None,
     ) -> None:
         self._driver = driver_name
         self._pool = node_name
+        self._backend = backend
         self._inventory = inventory
         self._claims = claims
         self._specs = specs
         self._common = common_edits
         self._boot_id_path = boot_id_path
+        self._partition = partition
         self._observer = observer
         self._journal = Journal(checkpoint_path)
         self._locks = _ClaimLocks()
+        self._partitioner = Partitioner(backend, on_inventory_changed)
 
     async def start(self) -> None:
-        """Load the checkpoint (repairing it after a reboot or damage); call once before serving."""
+        """Load the checkpoint (repairing it after a reboot, damage or a crash); call once before serving."""
         boot_id = await asyncio.to_thread(read_boot_id, self._boot_id_path)
         await self._journal.open(boot_id, self._starting_state)
         log.info(
@@ -103,12 +137,28 @@ class NodePreparer:
         )
 
     def _starting_state(self, loaded: LoadedCheckpoint) -> Checkpoint:
-        return starting_state(loaded, self._specs, self._pool)
+        return starting_state(loaded, self._specs, self._pool, self._live_mig_devices)
+
+    def _live_mig_devices(self) -> list[MigDevice]:
+        return [mig for gpu in self._backend.inventory().gpus for mig in gpu.mig_devices]
 
     @property
     def prepared_claims(self) -> int:
         """Claims recorded as prepared (or being prepared) on this node, for the metrics gauge."""
         return len(self._journal.state.claims)
+
+    def owned_mig_uuids(self) -> frozenset[str]:
+        """The MIG devices this driver created for claims; every other MIG device is static."""
+        return frozenset(self._mig_holders())
+
+    def _mig_holders(self) -> dict[str, str]:
+        """MIG uuid -> uid of the claim it was created for."""
+        return {
+            device.mig.uuid: uid
+            for uid, record in self._journal.state.claims.items()
+            for device in record.devices
+            if device.mig is not None and device.mig.uuid is not None
+        }
 
     async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareOutcome]:
         report = self._observer.prepare_done if self._observer else None
@@ -168,7 +218,14 @@ class NodePreparer:
                     "the pod cannot start until the claim exists again"
                 )
             claim = allocated_claim(ref, claim_json, self._driver, self._pool)
-            plan = plan_claim(claim, self._inventory(), self._driver, self._common)
+            plan = plan_claim(
+                claim,
+                self._inventory(),
+                self._driver,
+                self._common,
+                partition=self._partition,
+                mig_holders=self._mig_holders(),
+            )
             record = ClaimRecord(
                 namespace=ref.namespace,
                 name=ref.name,
@@ -181,38 +238,117 @@ class NodePreparer:
             )
             if existing is not None:
                 log.info("replaced an earlier record of the claim", phase=existing.phase)
+                await self._destroy_replaced(existing, record)
             completed = await self._complete(ref.uid, plan, record)
             log.info("claim prepared", devices=[d.device for d in completed.devices])
             return _prepared_devices(completed)
 
+    async def _destroy_replaced(self, old: ClaimRecord, new: ClaimRecord) -> None:
+        """Destroy the MIG devices an earlier attempt created that the new record does not use."""
+        kept = {d.mig.uuid for d in new.devices if d.mig is not None}
+        replaced = {
+            d.mig.uuid: (d.device, d.mig.parent_uuid)
+            for d in old.devices
+            if d.mig is not None and d.mig.uuid is not None and d.mig.uuid not in kept
+        }
+        for mig_uuid, (name, parent_uuid) in replaced.items():
+            try:
+                await self._partitioner.destroy(name, parent_uuid, mig_uuid)
+            except PartitionError as error:
+                log.error(
+                    "a MIG device an earlier attempt created is no longer recorded and could not be "
+                    "destroyed",
+                    error=str(error),
+                    what_to_do="destroy it by hand once no process uses it (nvidia-smi mig -dci, -dgi)",
+                )
+        if replaced:
+            await self._partitioner.changed()
+
     async def _complete(self, uid: str, plan: ClaimPlan, reserved: ClaimRecord) -> ClaimRecord:
-        """The side effects after the reservation; undone (spec and record) when one fails."""
-        completed = reserved.model_copy(update={"phase": "PrepareCompleted"})
+        """The side effects after the reservation; undone (MIG devices, spec, record) when one fails."""
+        record = reserved
+        created: list[tuple[str, MigDevice]] = []  # by this attempt, oldest first
+        recorded = 0  # how many of them the record on disk names
         try:
+            for name, (gpu, placement) in plan.to_create.items():
+                mig = await self._partitioner.create(name, _mig_record(gpu, placement))
+                created.append((name, mig))
+                plan = plan.with_created(name, mig)
+                record = _with_mig_uuid(record, name, mig.uuid)
+                await self._journal.commit(Progress(uid, record))
+                recorded += 1
+            if created:
+                await self._partitioner.changed()
             await asyncio.to_thread(self._specs.write, uid, plan.cdi_spec)
+            completed = record.model_copy(update={"phase": "PrepareCompleted"})
             await self._journal.commit(Complete(uid, completed))
         except MutationRejected:
-            raise  # the record is gone or another attempt's: its spec is not ours to remove
+            # The record is gone or another attempt's: its spec is not ours to remove, and the MIG
+            # devices it names are that attempt's to use. Only the unrecorded ones are ours alone.
+            await self._destroy_created(created[recorded:])
+            raise
         except BaseException:
-            await self._undo(uid, reserved.attempt)
+            await self._undo(uid, reserved.attempt, created)
             raise
         return completed
 
-    async def _undo(self, uid: str, attempt: str) -> None:
+    async def _undo(self, uid: str, attempt: str, created: Sequence[tuple[str, MigDevice]]) -> None:
         try:
+            all_destroyed = await self._destroy_created(created)
             await asyncio.to_thread(self._specs.remove, uid)
-            await self._journal.commit(Release(uid, attempt))
+            if all_destroyed:
+                await self._journal.commit(Release(uid, attempt))
         except Exception as error:
             log.error("could not undo a failed prepare; the next prepare or unprepare will", error=str(error))
+
+    async def _destroy_created(self, created: Sequence[tuple[str, MigDevice]]) -> bool:
+        """Destroy the MIG devices of a failed attempt, newest first; False when one has to stay."""
+        try:
+            for name, mig in reversed(created):
+                await self._partitioner.destroy(name, mig.parent_uuid, mig.uuid)
+        except PartitionError as error:
+            log.error(
+                "a MIG device of a failed prepare stays until the claim is unprepared", error=str(error)
+            )
+            return False
+        finally:
+            if created:
+                await self._partitioner.changed()
+        return True
 
     async def _unprepare(self, ref: ClaimRef) -> None:
         check_ref(ref)
         async with self._locks.hold(ref.uid):
+            record = self._journal.state.claims.get(ref.uid)
+            if record is not None:
+                await self._destroy_recorded(ref.uid, record)
             # The spec goes first: as long as it exists, so does the record (see recovery).
             await asyncio.to_thread(self._specs.remove, ref.uid)
             # Committed even when this instance has no record: the other instance may have one.
             await self._journal.commit(Release(ref.uid))
             log.info("claim unprepared")
+
+    async def _destroy_recorded(self, uid: str, record: ClaimRecord) -> None:
+        """Destroy the claim's MIG devices; when one cannot go, record which did and raise (retry)."""
+        recorded = {
+            device.device: (device.mig.parent_uuid, device.mig.uuid)
+            for device in record.devices
+            if device.mig is not None and device.mig.uuid is not None
+        }
+        remaining = record
+        try:
+            for name, (parent_uuid, mig_uuid) in recorded.items():
+                await self._partitioner.destroy(name, parent_uuid, mig_uuid)
+                remaining = _with_mig_uuid(remaining, name, None)
+        except PartitionError:
+            if remaining is not record:
+                # No longer complete: a repeated prepare must create again what is gone.
+                unfinished = remaining.model_copy(update={"phase": "PrepareStarted"})
+                await self._journal.commit(Progress(uid, unfinished))
+            raise
+        finally:
+            if remaining is not record:
+                await self._partitioner.changed()
 
 
 def _device_records(plan: ClaimPlan) -> tuple[DeviceRecord, ...]:
@@ -225,8 +361,37 @@ def _device_records(plan: ClaimPlan) -> tuple[DeviceRecord, ...]:
             share_id=device.result.share_id,
             cdi_device_ids=(device.cdi_device_id,),
             config=config_json(device.config),
+            mig=_mig_record(device.target.gpu, device.target.create, device.target.mig)
+            if device.target.create
+            else None,
         )
         for device in plan.devices
+    )
+
+
+def _mig_record(gpu: Gpu, create: MigPlacement, existing: MigDevice | None = None) -> MigRecord:
+    """What the checkpoint keeps of a MIG device the driver creates (``existing``: made earlier)."""
+    return MigRecord(
+        parent_uuid=gpu.uuid,
+        parent_device=gpu_device_name(gpu.minor),
+        profile_id=create.profile.profile_id,
+        placement_start=create.placement.start,
+        placement_size=create.placement.size,
+        uuid=existing.uuid if existing else None,
+    )
+
+
+def _with_mig_uuid(record: ClaimRecord, device: str, mig_uuid: str | None) -> ClaimRecord:
+    """``record`` with the uuid of the MIG device created for ``device`` set (or cleared)."""
+    return record.model_copy(
+        update={
+            "devices": tuple(
+                d.model_copy(update={"mig": d.mig.model_copy(update={"uuid": mig_uuid})})
+                if d.device == device and d.mig is not None
+                else d
+                for d in record.devices
+            )
+        }
     )
 
 

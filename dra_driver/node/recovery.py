@@ -15,29 +15,64 @@ needed, nor possible: the spec's file name holds only the claim uid, and asking 
 API server cannot tell more than the kubelet will. A spec that cannot be read is
 removed: no runtime could use it either.
 
+MIG devices the driver created for claims (dynamic MIG) are compared with the ones
+alive on the GPUs, which survive a restart of the plugin but not a reboot:
+
+* a record that names a MIG device the GPU no longer has (an administrator destroyed
+  it, or reset the GPU) is not repaired by creating a new one behind the
+  administrator's back: the record goes back to PrepareStarted without the uuid and
+  its CDI spec is removed (it names a device that is gone). The claim keeps its
+  reservation; the kubelet's next prepare of it creates the device afresh, its
+  unprepare has nothing to destroy.
+* a record in PrepareStarted whose MIG device has no uuid yet is what a crash
+  between creating the device and recording it leaves. A live device of exactly that
+  profile at exactly that placement on that GPU, recorded for no claim, is that
+  device: it is adopted (its uuid recorded), so the kubelet's next prepare uses it and
+  its unprepare destroys it. Nothing is destroyed at start: an instance recorded for
+  no claim and at no recorded placement was made by an administrator (static MIG).
+
+After a lost checkpoint the records rebuilt from CDI specs know no MIG intents, so MIG
+devices the driver had created are then indistinguishable from an administrator's:
+they are published and kept as static MIG devices (and logged), never destroyed.
+
 Runs under the checkpoint's file lock, in a worker thread: these are blocking calls.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable, Sequence
 
 import structlog
 
 from dra_driver.cdi.store import SpecStore
-from dra_driver.node.checkpoint import Checkpoint, ClaimRecord, DeviceRecord, LoadedCheckpoint
+from dra_driver.devices.types import MigDevice
+from dra_driver.node.checkpoint import Checkpoint, ClaimRecord, DeviceRecord, LoadedCheckpoint, MigRecord
 
 log = structlog.get_logger(__name__)
 
 
-def starting_state(loaded: LoadedCheckpoint, specs: SpecStore, pool: str) -> Checkpoint:
+def starting_state(
+    loaded: LoadedCheckpoint, specs: SpecStore, pool: str, live_mig_devices: Callable[[], Sequence[MigDevice]]
+) -> Checkpoint:
+    """The state to start from; ``live_mig_devices`` reads the MIG devices the GPUs have now."""
     if loaded.stale:
         for uid in sorted(set(loaded.stale) | specs.claim_uids()):
             specs.remove(uid)
         log.info("cleared the claims of an earlier boot", claims=len(loaded.stale))
         return loaded.checkpoint
     if loaded.moved_aside is None:
-        return loaded.checkpoint
+        if not any(device.mig for record in loaded.checkpoint.claims.values() for device in record.devices):
+            return loaded.checkpoint
+        return _with_live_mig_devices(loaded.checkpoint, live_mig_devices(), specs)
+    live = live_mig_devices()
+    if live:
+        log.warning(
+            "MIG devices exist but the checkpoint that said which ones the driver created was lost; "
+            "they are kept and published as static MIG devices",
+            mig_uuids=[m.uuid for m in live],
+            what_to_do="destroy those no workload uses (nvidia-smi mig -dci, -dgi) once their pods are gone",
+        )
     claims = dict(loaded.checkpoint.claims)
     for uid in sorted(specs.claim_uids() - set(claims)):
         record = _recovered(uid, specs, pool)
@@ -74,4 +109,55 @@ def _recovered(uid: str, specs: SpecStore, pool: str) -> ClaimRecord | None:
         return None
     return ClaimRecord(
         namespace="", name="", phase="Recovered", attempt=secrets.token_hex(8), devices=devices
+    )
+
+
+def _with_live_mig_devices(checkpoint: Checkpoint, live: Sequence[MigDevice], specs: SpecStore) -> Checkpoint:
+    """The records repaired against the MIG devices alive now (see the module doc)."""
+    alive = {m.uuid for m in live}
+    recorded = {d.mig.uuid for r in checkpoint.claims.values() for d in r.devices if d.mig and d.mig.uuid}
+    unrecorded = [m for m in live if m.uuid not in recorded]
+    claims: dict[str, ClaimRecord] = {}
+    for uid, record in checkpoint.claims.items():
+        devices: list[DeviceRecord] = []
+        adopted: dict[str, str] = {}  # device name -> uuid; results that share a device share it
+        lost = False
+        for device in record.devices:
+            mig = device.mig
+            if mig is not None and mig.uuid is not None and mig.uuid not in alive:
+                log.warning(
+                    "a recorded MIG device is gone", claim_uid=uid, device=device.device, mig_uuid=mig.uuid
+                )
+                mig, lost = mig.model_copy(update={"uuid": None}), True
+            elif mig is not None and mig.uuid is None:
+                if device.device not in adopted and (found := _at_placement(unrecorded, mig)):
+                    unrecorded.remove(found)
+                    adopted[device.device] = found.uuid
+                    log.info(
+                        "adopted a MIG device created before a crash",
+                        claim_uid=uid,
+                        device=device.device,
+                        mig_uuid=found.uuid,
+                    )
+                if device.device in adopted:
+                    mig = mig.model_copy(update={"uuid": adopted[device.device]})
+            devices.append(device.model_copy(update={"mig": mig}))
+        update: dict[str, object] = {"devices": tuple(devices)}
+        if lost:
+            specs.remove(uid)
+            update["phase"] = "PrepareStarted"
+        claims[uid] = record.model_copy(update=update)
+    return checkpoint.model_copy(update={"claims": claims})
+
+
+def _at_placement(candidates: Sequence[MigDevice], mig: MigRecord) -> MigDevice | None:
+    return next(
+        (
+            m
+            for m in candidates
+            if m.parent_uuid == mig.parent_uuid
+            and m.profile_id == mig.profile_id
+            and (m.placement.start, m.placement.size) == (mig.placement_start, mig.placement_size)
+        ),
+        None,
     )

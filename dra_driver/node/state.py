@@ -8,6 +8,11 @@ freshest state on disk, so the rules here are the one place that decides conflic
   admin-access allocation (a monitoring or maintenance pod) never counts against a
   device. Allocations with a share id (``allowMultipleAllocations`` devices) hold
   only their share, so the key is (pool, device, share id).
+* a full GPU and the MIG devices the driver creates on it exclude each other: a
+  full GPU is not given to a claim while another claim holds a MIG placement of it,
+  nor the other way round. (The scheduler's counters forbid this too; the rule
+  catches an allocation made from a stale ResourceSlice.) Whether placements
+  overlap is the hardware's to refuse, when the MIG device is created.
 * a claim's record is replaced only by the attempt that saw it (``replaces``), so a
   leftover of a crashed attempt can be taken over, while two live attempts cannot
   both win.
@@ -15,10 +20,10 @@ freshest state on disk, so the rules here are the one place that decides conflic
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dra_driver.node.checkpoint import Checkpoint, ClaimRecord
+from dra_driver.node.checkpoint import Checkpoint, ClaimRecord, DeviceRecord
 
 _DeviceKey = tuple[str, str, str | None]  # pool, device, share id
 
@@ -37,6 +42,14 @@ class Reserve:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """Replace an attempt's record with what it has done so far (e.g. a created MIG device's uuid)."""
+
+    uid: str
+    record: ClaimRecord
+
+
+@dataclass(frozen=True)
 class Complete:
     """Mark an attempt's record PrepareCompleted, with what it created (e.g. MIG uuids)."""
 
@@ -52,7 +65,7 @@ class Release:
     attempt: str | None = None
 
 
-Mutation = Reserve | Complete | Release
+Mutation = Reserve | Progress | Complete | Release
 
 
 def describe(uid: str, record: ClaimRecord) -> str:
@@ -66,7 +79,7 @@ def apply(
 ) -> tuple[Checkpoint, list[MutationRejected | None]]:
     """Apply ``mutations`` in order; a rejected one changes nothing and gets its reason."""
     claims = dict(checkpoint.claims)
-    holders = _holders(claims)
+    holders = _Holders(claims)
     outcomes: list[MutationRejected | None] = []
     for mutation in mutations:
         try:
@@ -80,7 +93,7 @@ def apply(
     return checkpoint.model_copy(update={"claims": claims, "generation": checkpoint.generation + 1}), outcomes
 
 
-def _apply_one(claims: dict[str, ClaimRecord], holders: dict[_DeviceKey, str], mutation: Mutation) -> None:
+def _apply_one(claims: dict[str, ClaimRecord], holders: _Holders, mutation: Mutation) -> None:
     existing = claims.get(mutation.uid)
     match mutation:
         case Reserve(uid=uid, record=record, replaces=replaces):
@@ -89,17 +102,9 @@ def _apply_one(claims: dict[str, ClaimRecord], holders: dict[_DeviceKey, str], m
                     f"claim {describe(uid, existing)} is being prepared concurrently "
                     f"(by another plugin instance?); the kubelet will retry"
                 )
-            for key in _exclusive_keys(record):
-                holder = holders.get(key)
-                if holder is not None and holder != uid:
-                    raise MutationRejected(
-                        f"device {key[1]} is already prepared for claim {describe(holder, claims[holder])}; "
-                        "a device serves one claim at a time unless an allocation has admin access. "
-                        "The scheduler allocated it from a stale ResourceSlice: the kubelet retries, and "
-                        "the claim needs a new allocation if the other claim keeps the device"
-                    )
+            holders.check(uid, record, claims)
             _replace(claims, holders, uid, record)
-        case Complete(uid=uid, record=record):
+        case Progress(uid=uid, record=record) | Complete(uid=uid, record=record):
             if existing is None or existing.attempt != record.attempt:
                 raise MutationRejected(
                     f"claim {uid} was unprepared or taken over while it was being prepared; "
@@ -111,22 +116,78 @@ def _apply_one(claims: dict[str, ClaimRecord], holders: dict[_DeviceKey, str], m
                 _replace(claims, holders, uid, None)
 
 
-def _replace(
-    claims: dict[str, ClaimRecord], holders: dict[_DeviceKey, str], uid: str, record: ClaimRecord | None
-) -> None:
+def _replace(claims: dict[str, ClaimRecord], holders: _Holders, uid: str, record: ClaimRecord | None) -> None:
     old = claims.pop(uid, None)
     if old is not None:
-        for key in _exclusive_keys(old):
-            if holders.get(key) == uid:
-                del holders[key]
+        holders.remove(uid, old)
     if record is not None:
         claims[uid] = record
-        holders.update(dict.fromkeys(_exclusive_keys(record), uid))
+        holders.add(uid, record)
 
 
-def _holders(claims: Mapping[str, ClaimRecord]) -> dict[_DeviceKey, str]:
-    return {key: uid for uid, record in claims.items() for key in _exclusive_keys(record)}
+_GpuKey = tuple[str, str]  # pool, full GPU device name
 
 
-def _exclusive_keys(record: ClaimRecord) -> Iterable[_DeviceKey]:
-    return [(d.pool, d.device, d.share_id) for d in record.devices if not d.admin_access]
+class _Holders:
+    """Which claim holds each device, and which claims hold MIG placements of each full GPU."""
+
+    def __init__(self, claims: Mapping[str, ClaimRecord]) -> None:
+        self._devices: dict[_DeviceKey, str] = {}
+        self._partitioned: dict[_GpuKey, set[str]] = {}
+        for uid, record in claims.items():
+            self.add(uid, record)
+
+    def check(self, uid: str, record: ClaimRecord, claims: Mapping[str, ClaimRecord]) -> None:
+        """Raise MutationRejected when another claim holds what ``record`` would take."""
+
+        def holder_of(key: _DeviceKey) -> str | None:
+            holder = self._devices.get(key)
+            return describe(holder, claims[holder]) if holder not in (None, uid) else None
+
+        for device in _exclusive(record):
+            if holder := holder_of(_key(device)):
+                raise MutationRejected(
+                    f"device {device.device} is already prepared for claim {holder}; a device serves "
+                    "one claim at a time unless an allocation has admin access. "
+                    "The scheduler allocated it from a stale ResourceSlice: the kubelet retries, and "
+                    "the claim needs a new allocation if the other claim keeps the device"
+                )
+            partitioning = sorted(self._partitioned.get((device.pool, device.device), set()) - {uid})
+            if partitioning:
+                raise MutationRejected(
+                    f"GPU {device.device} cannot be prepared whole: claim "
+                    f"{describe(partitioning[0], claims[partitioning[0]])} holds a MIG device on it. The "
+                    "scheduler allocated it from a stale ResourceSlice: the kubelet retries, and the GPU "
+                    "is free once that claim is unprepared"
+                )
+            if device.mig is not None and (
+                holder := holder_of((device.pool, device.mig.parent_device, None))
+            ):
+                raise MutationRejected(
+                    f"MIG device {device.device} cannot be created: its GPU {device.mig.parent_device} is "
+                    f"prepared whole for claim {holder}. The scheduler allocated it from a stale "
+                    "ResourceSlice: the kubelet retries, and the placement is free once that claim is "
+                    "unprepared"
+                )
+
+    def add(self, uid: str, record: ClaimRecord) -> None:
+        for device in _exclusive(record):
+            self._devices[_key(device)] = uid
+            if device.mig is not None:
+                self._partitioned.setdefault((device.pool, device.mig.parent_device), set()).add(uid)
+
+    def remove(self, uid: str, record: ClaimRecord) -> None:
+        for device in _exclusive(record):
+            if self._devices.get(_key(device)) == uid:
+                del self._devices[_key(device)]
+            if device.mig is not None:
+                self._partitioned.get((device.pool, device.mig.parent_device), set()).discard(uid)
+
+
+def _exclusive(record: ClaimRecord) -> list[DeviceRecord]:
+    """The devices a record holds: all but those allocated with admin access."""
+    return [device for device in record.devices if not device.admin_access]
+
+
+def _key(device: DeviceRecord) -> _DeviceKey:
+    return (device.pool, device.device, device.share_id)

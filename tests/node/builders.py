@@ -136,25 +136,28 @@ class Node:
     def specs(self) -> SpecStore:
         return SpecStore(self.cdi_dir, DRIVER)
 
-    def preparer(self, claims: ClaimFetcher | None = None) -> NodePreparer:
+    def preparer(self, claims: ClaimFetcher | None = None, **options: Any) -> NodePreparer:
         """A plugin instance; call it twice for two instances sharing the node (rolling update).
 
-        ``claims`` replaces the API server stand-in, e.g. with one that fails.
+        ``claims`` replaces the API server stand-in, e.g. with one that fails; ``options`` are
+        further NodePreparer arguments, or replace the defaults (e.g. ``inventory``).
         """
-        return NodePreparer(
-            driver_name=DRIVER,
-            node_name=NODE,
-            inventory=self.backend.inventory,
-            claims=claims or self.claims,
-            specs=self.specs,
-            common_edits=common_edits(self.backend.inventory(), None),
-            checkpoint_path=self.checkpoint_path,
-            boot_id_path=self.boot_id_path,
-            observer=self.observer,
-        )
+        arguments: dict[str, Any] = {
+            "driver_name": DRIVER,
+            "node_name": NODE,
+            "backend": self.backend,
+            "inventory": self.backend.inventory,
+            "claims": claims or self.claims,
+            "specs": self.specs,
+            "common_edits": common_edits(self.backend.inventory(), None),
+            "checkpoint_path": self.checkpoint_path,
+            "boot_id_path": self.boot_id_path,
+            "observer": self.observer,
+        }
+        return NodePreparer(**(arguments | options))
 
-    async def started(self, claims: ClaimFetcher | None = None) -> NodePreparer:
-        preparer = self.preparer(claims)
+    async def started(self, claims: ClaimFetcher | None = None, **options: Any) -> NodePreparer:
+        preparer = self.preparer(claims, **options)
         await preparer.start()
         return preparer
 

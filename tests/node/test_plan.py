@@ -112,7 +112,8 @@ def test_existing_mig_device_is_prepared_with_its_caps_and_mig_config(node: Node
             "gpu-9",
             "device gpu-9 does not exist on this node (GPUs: gpu-0, gpu-1, gpu-2, gpu-3, gpu-4, gpu-5)",
         ),
-        ("gpu-0-mig-1g10gb-19-0", "is a MIG placement that would have to be created"),
+        ("gpu-0-mig-1g10gb-19-7", "device gpu-0-mig-1g10gb-19-7 does not exist"),  # no 1g at slice 7
+        ("gpu-4-mig-1g10gb-19-0", "device gpu-4-mig-1g10gb-19-0 does not exist"),  # an L4 has no MIG
         ("nvme-0", "device nvme-0 does not exist on this node"),
     ],
 )

@@ -1,0 +1,99 @@
+"""Creating and destroying the MIG devices of claims, and telling the app the GPUs changed.
+
+NVML's MIG operations on one GPU must not interleave (creating a GPU instance and its
+compute instance is two calls, and switching MIG mode on must finish first), and a
+create takes a noticeable time on real hardware. So operations are serialized per GPU
+by an asyncio lock and run in a worker thread, while different GPUs proceed in
+parallel and the event loop keeps serving other claims.
+
+After every change the node's inventory is read again and handed to
+``on_inventory_changed``: the app republishes the ResourceSlices (the full GPU
+disappears while MIG mode is on) and plans later claims against the fresh view.
+Reads are serialized, so the last one delivered is never older than a change that
+completed before it started; and a read that started after a change serves it too,
+so a burst of changes (seven MIG devices on one GPU) costs a few reads, not seven.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import structlog
+
+from dra_driver.devices.backend import Backend, DeviceError, DeviceInUseError, PlacementUnavailableError
+from dra_driver.devices.types import Inventory, MigDevice, Placement
+from dra_driver.node.checkpoint import MigRecord
+
+log = structlog.get_logger(__name__)
+
+
+class PartitionError(Exception):
+    """A MIG device could not be created or destroyed; the message is for the user."""
+
+
+class Partitioner:
+    """The MIG operations of one node's backend, one at a time per GPU."""
+
+    def __init__(self, backend: Backend, on_inventory_changed: Callable[[Inventory], None] | None) -> None:
+        self._backend = backend
+        self._on_inventory_changed = on_inventory_changed
+        self._gpu_locks: dict[str, asyncio.Lock] = {}
+        self._reading = asyncio.Lock()
+        self._changes = 0  # changes reported so far
+        self._delivered = 0  # changes the last delivered inventory includes
+
+    async def create(self, device: str, mig: MigRecord) -> MigDevice:
+        """Create the MIG device ``mig`` describes (named ``device`` in the slices)."""
+        placement = Placement(mig.placement_start, mig.placement_size)
+        async with self._gpu_lock(mig.parent_uuid):
+            try:
+                created = await asyncio.to_thread(
+                    self._backend.create_mig_device, mig.parent_uuid, mig.profile_id, placement
+                )
+            except PlacementUnavailableError as error:
+                raise PartitionError(
+                    f"cannot create MIG device {device}: {error}. The claim was allocated from a stale "
+                    "ResourceSlice; the kubelet retries, and if this persists delete the pod so that "
+                    "the claim is allocated again"
+                ) from error
+            except DeviceInUseError as error:
+                raise PartitionError(f"cannot create MIG device {device} yet: {error}") from error
+            except DeviceError as error:
+                raise PartitionError(f"cannot create MIG device {device}: {error}") from error
+        log.info("MIG device created", device=device, mig_uuid=created.uuid, gpu_uuid=mig.parent_uuid)
+        return created
+
+    async def destroy(self, device: str, parent_uuid: str, mig_uuid: str) -> None:
+        """Destroy a MIG device; one that is already gone is not an error."""
+        async with self._gpu_lock(parent_uuid):
+            try:
+                await asyncio.to_thread(self._backend.destroy_mig_device, parent_uuid, mig_uuid)
+            except DeviceInUseError as error:
+                raise PartitionError(
+                    f"cannot destroy MIG device {device} ({mig_uuid}) yet: {error}; the kubelet retries"
+                ) from error
+            except DeviceError as error:
+                raise PartitionError(f"cannot destroy MIG device {device} ({mig_uuid}): {error}") from error
+        log.info("MIG device destroyed", device=device, mig_uuid=mig_uuid, gpu_uuid=parent_uuid)
+
+    async def changed(self) -> None:
+        """Read the inventory after a change and hand it on; a failed read only delays the news."""
+        if self._on_inventory_changed is None:
+            return
+        self._changes += 1
+        change = self._changes
+        async with self._reading:
+            if self._delivered >= change:
+                return  # a read that started after this change was delivered meanwhile
+            covered = self._changes
+            try:
+                latest = await asyncio.to_thread(self._backend.inventory)
+            except DeviceError as error:
+                log.warning("re-reading the GPUs after a MIG change failed", error=str(error))
+                return
+            self._delivered = covered
+            self._on_inventory_changed(latest)
+
+    def _gpu_lock(self, gpu_uuid: str) -> asyncio.Lock:
+        return self._gpu_locks.setdefault(gpu_uuid, asyncio.Lock())
