@@ -1,0 +1,206 @@
+"""``dra-driver``: the daemon and the commands an operator runs next to it.
+
+* ``kubelet-plugin``: the node daemon (what the DaemonSet runs);
+* ``inventory``: the node's GPUs and the exact ResourceSlices the daemon would publish, offline;
+* ``simulate``: change the simulated GPUs (faults, busy GPUs, MIG made by an administrator).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+from dra_driver import __version__
+from dra_driver.app import desired_slices, run_plugin
+from dra_driver.cli_settings import add_settings_flags, settings_from
+from dra_driver.devices.backend import DeviceError
+from dra_driver.devices.backends import open_backend
+from dra_driver.devices.sim_nodes import NODE_PROFILES
+from dra_driver.devices.simulated import SimulatedBackend
+from dra_driver.devices.types import Gpu
+from dra_driver.log import configure
+from dra_driver.resources.pool import PoolOwner, plan_pool
+
+# The settings the offline commands honour; the daemon takes them all.
+_INVENTORY_SETTINGS = [
+    "driver_name",
+    "node_name",
+    "simulate",
+    "data_dir",
+    "mig_partitions",
+    "log_format",
+    "log_level",
+]
+_SIMULATE_SETTINGS = ["driver_name", "node_name", "simulate", "data_dir", "plugins_dir"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    result: int = args.run(args)
+    return result
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dra-driver",
+        description="A Kubernetes DRA driver for NVIDIA GPUs. Every flag can also be set by the "
+        "environment variable named in its help.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    plugin = commands.add_parser("kubelet-plugin", help="run the node daemon")
+    add_settings_flags(plugin)
+    plugin.set_defaults(run=_kubelet_plugin)
+
+    inventory = commands.add_parser(
+        "inventory", help="print the node's GPUs and the ResourceSlices that would be published"
+    )
+    add_settings_flags(inventory, _INVENTORY_SETTINGS)
+    inventory.add_argument(
+        "--list-profiles", action="store_true", help="list the simulated node profiles and exit"
+    )
+    inventory.set_defaults(run=_inventory)
+
+    simulate = commands.add_parser(
+        "simulate", help="act on the simulated GPUs of a node (the state the daemon reads)"
+    )
+    actions = simulate.add_subparsers(dest="action", metavar="ACTION", required=True)
+    for name, help_text in (
+        ("xid", "inject an Xid error on a GPU"),
+        ("recover", "clear a GPU's injected faults"),
+        ("busy", "mark a GPU or MIG device in use (or free it with --free)"),
+        ("create-mig", "create a MIG device as an administrator would (static MIG)"),
+        ("mig-mode", "switch MIG mode as an administrator would"),
+    ):
+        action = actions.add_parser(name, help=help_text)
+        add_settings_flags(action, _SIMULATE_SETTINGS)
+        action.add_argument("--gpu", required=True, help="GPU index or UUID (or a MIG UUID for busy)")
+        if name == "xid":
+            action.add_argument("--xid", type=int, required=True, help="the Xid number, e.g. 79")
+        if name == "busy":
+            action.add_argument("--free", action="store_true", help="mark it free again")
+        if name == "create-mig":
+            action.add_argument("--profile", required=True, help="MIG profile, e.g. 1g.10gb")
+            action.add_argument("--start", type=int, required=True, help="placement start (memory slice)")
+        if name == "mig-mode":
+            action.add_argument("--off", action="store_true", help="disable instead of enable")
+        action.set_defaults(run=_simulate)
+    return parser
+
+
+def _kubelet_plugin(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    configure(settings.log_format, settings.log_level)
+    if not settings.node_name:
+        print(
+            "error: --node-name / DRA_NODE_NAME is required (the downward API's spec.nodeName)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        asyncio.run(run_plugin(settings))
+    except DeviceError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _inventory(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `dra-driver inventory | head` ends quietly
+    if args.list_profiles:
+        for name, profile in sorted(NODE_PROFILES.items()):
+            print(f"{name:16} {profile.description}")
+        return 0
+    settings = settings_from(args)
+    configure(settings.log_format, settings.log_level)
+    node = settings.node_name or "node-1"
+    with tempfile.TemporaryDirectory(prefix="dra-driver-inventory-") as scratch:
+        # Offline, a simulated node starts fresh unless --data-dir points at a daemon's state.
+        data_dir = settings.data_dir or Path(scratch)
+        try:
+            backend = open_backend(settings.simulate or None, data_dir, node)
+            inventory = backend.inventory()
+            backend.close()
+        except DeviceError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+    owner = PoolOwner(driver=settings.driver_name, node_name=node)
+    plan = plan_pool(desired_slices(settings, inventory), [], owner=owner)
+    source = f"simulated {settings.simulate}" if settings.simulate else "NVML"
+    cuda = ".".join(map(str, inventory.cuda_driver_version))
+    versions = f"driver {inventory.driver_version}, CUDA {cuda}"
+    print(f"# node {node}: {len(inventory.gpus)} GPUs ({source}), {versions}")
+    for gpu in sorted(inventory.gpus, key=lambda g: g.minor):
+        print(f"#   {_gpu_line(gpu)}")
+    print(f"# {len(plan.apply)} ResourceSlices follow (kubectl apply -f accepts them)")
+    yaml.safe_dump_all(list(plan.apply), sys.stdout, sort_keys=False, default_flow_style=False)
+    return 0
+
+
+def _gpu_line(gpu: Gpu) -> str:
+    mig = "MIG on" if gpu.mig_enabled else "MIG capable" if gpu.mig_capable else "no MIG"
+    parts = [
+        f"gpu-{gpu.minor}",
+        gpu.product_name,
+        f"{gpu.memory_bytes / 2**30:.0f}GiB",
+        gpu.uuid,
+        gpu.pci_bus_id,
+        mig,
+    ]
+    if gpu.mig_devices:
+        parts.append("MIG devices: " + ", ".join(f"{m.profile}@{m.placement.start}" for m in gpu.mig_devices))
+    return "  ".join(parts)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    if not settings.simulate:
+        print(
+            "error: --simulate / DRA_SIMULATE names the node profile of the simulated GPUs", file=sys.stderr
+        )
+        return 2
+    if not settings.node_name:
+        print(
+            "error: --node-name / DRA_NODE_NAME is required: GPU identities derive from it", file=sys.stderr
+        )
+        return 2
+    gpu: str | int = int(args.gpu) if args.gpu.isdigit() else args.gpu
+    try:
+        backend = SimulatedBackend(settings.simulate, settings.node_name, settings.state_dir)
+        _apply_simulation(backend, args, gpu)
+    except (DeviceError, KeyError, ValueError, StopIteration) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _apply_simulation(backend: SimulatedBackend, args: argparse.Namespace, gpu: str | int) -> None:
+    if args.action == "xid":
+        backend.inject_xid(gpu, args.xid)
+    elif args.action == "recover":
+        backend.recover(gpu)
+    elif args.action == "busy":
+        if isinstance(gpu, int):
+            gpu = next(g.uuid for g in backend.inventory().gpus if g.index == gpu)
+        backend.set_busy(gpu, not args.free)
+    elif args.action == "create-mig":
+        created = backend.admin_create_mig(gpu, args.profile, args.start)
+        print(created.uuid)
+    elif args.action == "mig-mode":
+        backend.admin_set_mig_mode(gpu, not args.off)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,134 @@
+"""Every setting of the daemon, with one name in three places.
+
+A field ``driver_name`` is the CLI flag ``--driver-name``, the environment variable
+``DRA_DRIVER_NAME`` and (issue: Helm chart) a value in ``values.yaml``. Flags win over the
+environment, which wins over the defaults.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "DRA_"
+DEFAULT_DRIVER_NAME = "gpu.dra-driver.dev"
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+class LogFormat(StrEnum):
+    AUTO = "auto"  # JSON when stderr is not a terminal (a pod), readable text on a terminal
+    JSON = "json"
+    CONSOLE = "console"
+
+
+class Settings(BaseSettings):
+    """Settings of ``dra-driver kubelet-plugin`` (and the offline ``inventory`` command)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+
+    driver_name: Annotated[
+        str,
+        Field(
+            description="Name of the DRA driver: DeviceClasses select it, and it is the domain of "
+            "device attributes. Deploy as gpu.nvidia.com to serve claims written for NVIDIA's driver."
+        ),
+    ] = DEFAULT_DRIVER_NAME
+    node_name: Annotated[
+        str, Field(description="Name of the Node this plugin serves (downward API spec.nodeName).")
+    ] = ""
+    pod_uid: Annotated[
+        str,
+        Field(
+            description="UID of the plugin's own pod (downward API). When set, sockets get per-instance "
+            "names so that a rolling update can run two plugins on one node."
+        ),
+    ] = ""
+    simulate: Annotated[
+        str,
+        Field(
+            description="Use simulated GPUs of this node profile instead of NVML "
+            "(see `dra-driver inventory --list-profiles`). Empty: the real NVML backend."
+        ),
+    ] = ""
+    kubeconfig: Annotated[
+        Path | None,
+        Field(description="Kubeconfig file; unset: the in-cluster service account."),
+    ] = None
+    plugins_dir: Annotated[
+        Path, Field(description="Kubelet plugin directory; the DRA socket lives in <dir>/<driver-name>/.")
+    ] = Path("/var/lib/kubelet/plugins")
+    registry_dir: Annotated[
+        Path, Field(description="Kubelet plugin registration directory, watched by the kubelet.")
+    ] = Path("/var/lib/kubelet/plugins_registry")
+    data_dir: Annotated[
+        Path | None,
+        Field(
+            description="Where the checkpoint (and the simulator's GPU state) is kept; "
+            "default <plugins-dir>/<driver-name>."
+        ),
+    ] = None
+    cdi_dir: Annotated[Path, Field(description="Directory the container runtime reads CDI specs from.")] = (
+        Path("/var/run/cdi")
+    )
+    driver_root: Annotated[
+        Path,
+        Field(
+            description="Root of the host's NVIDIA driver installation (/ or e.g. /run/nvidia/driver "
+            "with the GPU operator); driver libraries found there are mounted into containers."
+        ),
+    ] = Path("/")
+    boot_id_file: Annotated[
+        Path, Field(description="File holding the boot id; prepared state from another boot is cleared.")
+    ] = Path("/proc/sys/kernel/random/boot_id")
+    http_address: Annotated[
+        str,
+        Field(description="host:port of the /healthz, /readyz and /metrics endpoint; empty disables it."),
+    ] = "0.0.0.0:8080"
+    log_format: Annotated[LogFormat, Field(description="auto, json or console.")] = LogFormat.AUTO
+    log_level: Annotated[str, Field(description="debug, info, warning or error.")] = "info"
+    mig_partitions: Annotated[
+        str,
+        Field(
+            description="Which MIG-capable GPUs offer MIG partitions created on demand: all, none, "
+            "or a comma-separated list of GPU UUIDs or minor numbers."
+        ),
+    ] = "all"
+    inventory_refresh_seconds: Annotated[
+        float,
+        Field(gt=0, description="How often the GPUs are re-read to notice changes (MIG, hot-plug)."),
+    ] = 10.0
+
+    @field_validator("driver_name")
+    @classmethod
+    def _driver_name_is_dns_subdomain(cls, value: str) -> str:
+        if len(value) > 63 or not _DNS_SUBDOMAIN.match(value):
+            raise ValueError(
+                f"{value!r} is not a DNS subdomain of at most 63 characters (lower-case letters, "
+                "digits, '-' and '.'), e.g. gpu.example.com"
+            )
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        value = value.lower()
+        if value not in {"debug", "info", "warning", "error"}:
+            raise ValueError("must be one of debug, info, warning, error")
+        return value
+
+    @field_validator("mig_partitions")
+    @classmethod
+    def _partition_choice(cls, value: str) -> str:
+        value = value.strip()
+        if not value:
+            raise ValueError("must be all, none, or a comma-separated list of GPU UUIDs or minor numbers")
+        return value
+
+    @property
+    def state_dir(self) -> Path:
+        return self.data_dir or self.plugins_dir / self.driver_name

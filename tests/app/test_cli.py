@@ -1,0 +1,75 @@
+"""The operator commands, run as a user would: the console script in a subprocess."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from dra_driver.devices.sim_nodes import NODE_PROFILES
+
+
+def dra_driver(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dra_driver", *args], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_inventory_prints_the_gpus_and_the_slices_it_would_publish() -> None:
+    result = dra_driver("inventory", "--simulate", "dgx-h100", "--node-name", "gpu-node-7")
+    assert result.returncode == 0, result.stderr
+    header = [line for line in result.stdout.splitlines() if line.startswith("#   gpu-")]
+    assert len(header) == 8
+    assert all("NVIDIA H100 80GB HBM3" in line for line in header)
+    slices = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    assert {s["kind"] for s in slices} == {"ResourceSlice"}
+    devices = [d for s in slices for d in s["spec"].get("devices", [])]
+    full_gpus = [d["name"] for d in devices if d["attributes"]["type"]["string"] == "gpu"]
+    assert sorted(full_gpus) == [f"gpu-{i}" for i in range(8)]
+    # Every MIG placement of every H100 is offered too: 25 per GPU (facts: 7+7+4+3+2+1+1).
+    assert len(devices) - len(full_gpus) == 8 * 25
+    assert all(s["spec"]["nodeName"] == "gpu-node-7" for s in slices)
+    assert all(s["spec"]["pool"]["resourceSliceCount"] == len(slices) for s in slices)
+
+
+def test_inventory_is_deterministic_per_node_name() -> None:
+    first = dra_driver("inventory", "--simulate", "l4x4", "--node-name", "a").stdout
+    again = dra_driver("inventory", "--simulate", "l4x4", "--node-name", "a").stdout
+    other = dra_driver("inventory", "--simulate", "l4x4", "--node-name", "b").stdout
+    assert first == again
+    assert first != other
+
+
+def test_inventory_lists_every_simulated_profile() -> None:
+    result = dra_driver("inventory", "--list-profiles")
+    assert result.returncode == 0
+    listed = {line.split()[0] for line in result.stdout.splitlines()}
+    assert listed == set(NODE_PROFILES)
+
+
+def test_an_unknown_profile_is_a_clear_error() -> None:
+    result = dra_driver("inventory", "--simulate", "dgx-z900")
+    assert result.returncode == 1
+    assert "dgx-z900" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_simulate_changes_what_inventory_sees(tmp_path: Path) -> None:
+    common = ["--simulate", "dgx-h100", "--node-name", "n1", "--data-dir", str(tmp_path)]
+    created = dra_driver(
+        "simulate", "create-mig", "--gpu", "2", "--profile", "3g.40gb", "--start", "4", *common
+    )
+    assert created.returncode == 0, created.stderr
+    assert created.stdout.startswith("MIG-")
+    listing = dra_driver("inventory", *common).stdout
+    gpu2 = next(line for line in listing.splitlines() if line.startswith("#   gpu-2 "))
+    assert "MIG on" in gpu2
+    assert "3g.40gb@4" in gpu2
+
+
+def test_plugin_without_node_name_says_what_to_set() -> None:
+    result = dra_driver("kubelet-plugin", "--simulate", "dgx-h100")
+    assert result.returncode == 2
+    assert "DRA_NODE_NAME" in result.stderr
