@@ -3,15 +3,58 @@
 
 PYTHON ?= .venv/bin/python
 
-.PHONY: kube-build cluster-up cluster-down cluster-status
+.PHONY: help venv demo test lint unit e2e bench gen gen-check kube-build cluster-up cluster-down cluster-status
+
+## help: list the targets
+help:
+	@grep -E '^## ' Makefile | sed 's/^## /  /'
+
+## venv: create .venv with the package and its development tools (only when pyproject.toml changed)
+venv:
+	@hack/setup-venv.sh
+
+## demo: a local control plane, the driver on a simulated DGX H100, the kubelet harness and sample claims
+demo: venv kube-build
+	$(PYTHON) hack/demo.py
+
+## test: everything CI checks: lint, generated-code checks, unit, component, integration and e2e tests
+test: lint gen-check unit e2e
+
+## lint: ruff and mypy --strict
+lint: venv
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+	.venv/bin/mypy
+
+## unit: unit and component tests (no control plane needed)
+unit: venv
+	$(PYTHON) -m pytest tests
+
+## e2e: integration and end-to-end tests against the real control plane and the kubelet harness
+e2e: venv kube-build
+	$(PYTHON) -m pytest e2e
+
+## bench: prepare latency, throughput, start-up and RSS; writes _output/bench.json
+bench: venv kube-build
+	$(PYTHON) -m bench.prepare_bench
+
+## gen: regenerate the committed generated code (protobuf, config JSON schema)
+gen: venv
+	hack/gen-proto.sh
+	$(PYTHON) hack/gen-config-schema.py
+
+## gen-check: fail when generated code differs from what hack/ would generate
+gen-check: venv
+	hack/gen-proto.sh --check
+	$(PYTHON) hack/gen-config-schema.py --check
 
 ## kube-build: build kube-apiserver, kube-scheduler, kube-controller-manager, kubectl, the kubelet
 ## harness, etcd and helm into the version-keyed cache (only what is missing or stale)
 kube-build:
-	hack/build-kube.sh
+	hack/build-kube.sh >/dev/null
 
 ## cluster-up: start a local control plane in the background; admin kubeconfig in _output/kubeconfig
-cluster-up:
+cluster-up: venv kube-build
 	$(PYTHON) -m e2e.cluster up
 
 ## cluster-down: stop every process cluster-up started
