@@ -24,9 +24,9 @@ import pynvml
 import pytest
 
 from dra_driver.devices.backend import DeviceError, DeviceInUseError, PlacementUnavailableError
+from dra_driver.devices.backends import open_backend
 from dra_driver.devices.catalog import GpuModel, gpu_model
 from dra_driver.devices.nvml import NvmlBackend
-from dra_driver.devices.backends import open_backend
 from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import DeviceNode, Placement
 
