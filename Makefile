@@ -2,6 +2,8 @@
 # (override from the environment, e.g. `KUBE_VERSION=v1.36.3 make cluster-up`).
 
 PYTHON ?= .venv/bin/python
+HELM = $$(hack/build-kube.sh helm | sed -n 's/^HELM_BIN_DIR=//p')/helm
+CHART = charts/dra-driver-gpu
 
 .PHONY: help venv demo test lint unit e2e bench gen gen-check kube-build cluster-up cluster-down cluster-status
 
@@ -20,14 +22,16 @@ demo: venv kube-build
 ## test: everything CI checks: lint, generated-code checks, unit, component, integration and e2e tests
 test: lint gen-check unit e2e
 
-## lint: ruff and mypy --strict
+## lint: ruff, mypy --strict, helm lint --strict (default values and every ci/ values file)
 lint: venv
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 	.venv/bin/mypy
+	helm=$(HELM) && $$helm lint --strict $(CHART) && \
+	  for values in $(CHART)/ci/*-values.yaml; do $$helm lint --strict $(CHART) --values $$values || exit 1; done
 
-## unit: unit and component tests (no control plane needed)
-unit: venv
+## unit: unit and component tests (no control plane needed; helm renders the chart)
+unit: venv kube-build
 	$(PYTHON) -m pytest tests
 
 ## e2e: integration and end-to-end tests against the real control plane and the kubelet harness
@@ -38,15 +42,17 @@ e2e: venv kube-build
 bench: venv kube-build
 	$(PYTHON) -m bench.prepare_bench
 
-## gen: regenerate the committed generated code (protobuf, config JSON schema)
+## gen: regenerate the committed generated code and docs (protobuf, config JSON schema, settings table)
 gen: venv
 	hack/gen-proto.sh
 	$(PYTHON) hack/gen-config-schema.py
+	$(PYTHON) hack/gen-config-docs.py
 
 ## gen-check: fail when generated code differs from what hack/ would generate
 gen-check: venv
 	hack/gen-proto.sh --check
 	$(PYTHON) hack/gen-config-schema.py --check
+	$(PYTHON) hack/gen-config-docs.py --check
 
 ## kube-build: build kube-apiserver, kube-scheduler, kube-controller-manager, kubectl, the kubelet
 ## harness, etcd and helm into the version-keyed cache (only what is missing or stale)

@@ -1,0 +1,45 @@
+{{/* Names and labels shared by the templates. */}}
+
+{{- define "dra-driver-gpu.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "dra-driver-gpu.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "dra-driver-gpu.labels" -}}
+{{ include "dra-driver-gpu.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{/*
+The account the plugin pods run as. The ClusterRoleBinding and the admission policy name this same
+account, so that the policy constrains exactly the identity that holds the permissions.
+*/}}
+{{- define "dra-driver-gpu.serviceAccountName" -}}
+{{- .Values.serviceAccount.name | default (include "dra-driver-gpu.fullname" .) -}}
+{{- end -}}
+
+{{- define "dra-driver-gpu.gpuClassName" -}}
+{{- .Values.deviceClasses.gpu.name | default .Values.driverName -}}
+{{- end -}}
+
+{{/*
+gpu.nvidia.com -> mig.nvidia.com, the name NVIDIA's driver gives its MIG class; a driver name that
+does not start with "gpu." gets "mig." in front.
+*/}}
+{{- define "dra-driver-gpu.migClassName" -}}
+{{- .Values.deviceClasses.mig.name | default (printf "mig.%s" (trimPrefix "gpu." .Values.driverName)) -}}
+{{- end -}}
+
+{{- define "dra-driver-gpu.httpPort" -}}
+{{- regexFind "[0-9]+$" .Values.httpAddress -}}
+{{- end -}}

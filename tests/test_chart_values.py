@@ -1,0 +1,375 @@
+"""The Helm chart against the daemon it deploys: every setting of the daemon is a value of the chart or
+set by the chart on purpose, every value changes what is deployed, and what the chart renders is a
+configuration the daemon accepts. The chart is rendered by the real helm (hack/build-kube.sh helm);
+no cluster is needed."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from dra_driver.cli_settings import env_name
+from dra_driver.devices.sim_nodes import NODE_PROFILES
+from dra_driver.settings import LogFormat, Settings
+from e2e.cluster.binaries import REPO_ROOT, build_outputs
+
+CHART = REPO_ROOT / "charts" / "dra-driver-gpu"
+CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
+EXAMPLES = REPO_ROOT / "docs" / "examples"
+NAMESPACE = "gpu-system"
+Manifest = dict[str, Any]
+
+
+def _load_generator() -> ModuleType:
+    """hack/gen-config-docs.py, which holds the settings the chart sets itself (CHART_SETS)."""
+    path = REPO_ROOT / "hack" / "gen-config-docs.py"
+    spec = importlib.util.spec_from_file_location("gen_config_docs", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+docs = _load_generator()
+DEFAULTS, SCHEMA = docs.load_chart()
+LEAVES: dict[str, dict[str, Any]] = dict(docs.schema_leaves(SCHEMA))
+SETTING_OF_VALUE = {docs.value_key(name): name for name in Settings.model_fields}
+
+
+@pytest.fixture(scope="module")
+def helm() -> Path:
+    return Path(build_outputs("helm")["HELM_BIN_DIR"]) / "helm"
+
+
+def render(
+    helm: Path, values: dict[str, Any] | None = None, values_file: Path | None = None
+) -> list[Manifest]:
+    """`helm template` of the chart with `values` (and `values_file`) over the defaults."""
+    argv = [str(helm), "template", "gpu", str(CHART), "--namespace", NAMESPACE]
+    if values_file is not None:
+        argv += ["--values", str(values_file)]
+    argv += ["--values", "-"]
+    result = subprocess.run(
+        argv, input=yaml.safe_dump(values or {}), capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def render_error(helm: Path, values: dict[str, Any]) -> str:
+    result = subprocess.run(
+        [str(helm), "template", "gpu", str(CHART), "--values", "-"],
+        input=yaml.safe_dump(values),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode != 0, "the chart rendered values it should refuse"
+    return result.stderr
+
+
+def of_kind(manifests: list[Manifest], kind: str) -> list[Manifest]:
+    return [m for m in manifests if m["kind"] == kind]
+
+
+def pod_spec(manifests: list[Manifest]) -> dict[str, Any]:
+    (daemonset,) = of_kind(manifests, "DaemonSet")
+    spec: dict[str, Any] = daemonset["spec"]["template"]["spec"]
+    return spec
+
+
+def plugin_env(manifests: list[Manifest]) -> dict[str, dict[str, Any]]:
+    (container,) = pod_spec(manifests)["containers"]
+    return {entry["name"]: entry for entry in container["env"]}
+
+
+def settings_from_env(
+    env: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch, **downward: str
+) -> Settings:
+    """The settings the daemon reads from this environment; `downward` fills fieldRef variables."""
+    for name, entry in env.items():
+        if "value" in entry:
+            monkeypatch.setenv(name, entry["value"])
+        else:
+            monkeypatch.setenv(name, downward[entry["valueFrom"]["fieldRef"]["fieldPath"]])
+    return Settings()
+
+
+def with_value(values: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    changed = copy.deepcopy(values)
+    *parents, last = path.split(".")
+    node = changed
+    for key in parents:
+        node = node[key]
+    node[last] = value
+    return changed
+
+
+DOWNWARD = {"spec.nodeName": "gpu-node-1", "metadata.uid": "4f7c7a2e-4c55-4d8f-9f3a-6c4a1f2b3c4d"}
+VALUES_FILES = [None, *CI_VALUES]
+VALUES_IDS = ["defaults", *(path.stem for path in CI_VALUES)]
+
+
+# --- settings <-> values ------------------------------------------------------------------------------
+
+
+def test_every_setting_is_a_value_or_set_by_the_chart() -> None:
+    for name in Settings.model_fields:
+        is_value = docs.value_key(name) in SCHEMA["properties"]
+        set_by_chart = name in docs.CHART_SETS
+        assert is_value or set_by_chart, (
+            f"setting {name} has no chart value: add {docs.value_key(name)} to values.yaml, "
+            "values.schema.json and the DaemonSet, or explain in CHART_SETS (hack/gen-config-docs.py) "
+            "why the chart sets it itself"
+        )
+        assert not (is_value and set_by_chart), f"setting {name} is both a value and set by the chart"
+    assert set(docs.CHART_SETS) <= set(Settings.model_fields), "CHART_SETS names a setting that is gone"
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES, ids=VALUES_IDS)
+def test_the_plugin_gets_one_variable_per_setting_and_no_other(helm: Path, values_file: Path | None) -> None:
+    env = plugin_env(render(helm, values_file=values_file))
+    left_to_daemon = {name for name, chart in docs.CHART_SETS.items() if chart.field_path is None}
+    assert set(env) == {env_name(name) for name in Settings.model_fields if name not in left_to_daemon}
+    for name, chart in docs.CHART_SETS.items():
+        if chart.field_path is not None:
+            assert env[env_name(name)]["valueFrom"]["fieldRef"]["fieldPath"] == chart.field_path
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES, ids=VALUES_IDS)
+def test_the_daemon_accepts_the_rendered_configuration(
+    helm: Path, values_file: Path | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    given = yaml.safe_load(values_file.read_text()) if values_file else {}
+    settings = settings_from_env(plugin_env(render(helm, values_file=values_file)), monkeypatch, **DOWNWARD)
+    assert settings.node_name == DOWNWARD["spec.nodeName"]
+    assert settings.pod_uid == DOWNWARD["metadata.uid"]
+    for key, value in given.items():
+        if key in SETTING_OF_VALUE:
+            name = SETTING_OF_VALUE[key]
+            assert getattr(settings, name) == getattr(Settings(**{name: value}), name)
+
+
+def test_default_values_are_the_daemons_defaults(helm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rendered = settings_from_env(plugin_env(render(helm)), monkeypatch, **DOWNWARD)
+    monkeypatch.delenv(env_name("node_name"))
+    monkeypatch.delenv(env_name("pod_uid"))
+    assert rendered.model_dump(exclude={"node_name", "pod_uid"}) == Settings().model_dump(
+        exclude={"node_name", "pod_uid"}
+    )
+
+
+# --- every value has an effect ------------------------------------------------------------------------
+
+
+def _switched_on(values: dict[str, Any]) -> dict[str, Any]:
+    """The defaults with every boolean value true, so that what a switch enables is rendered."""
+    result = copy.deepcopy(values)
+    for path, schema in LEAVES.items():
+        if schema.get("type") == "boolean":
+            result = with_value(result, path, True)
+    return result
+
+
+@pytest.fixture(scope="module")
+def switched_on(helm: Path) -> tuple[dict[str, Any], list[Manifest]]:
+    values = _switched_on(DEFAULTS)
+    return values, render(helm, values)
+
+
+@pytest.mark.parametrize("path", list(LEAVES))
+def test_every_value_changes_what_is_deployed(
+    helm: Path, path: str, switched_on: tuple[dict[str, Any], list[Manifest]]
+) -> None:
+    base_values, base = switched_on
+    examples = LEAVES[path].get("examples")
+    assert examples, f"give {path} an example in values.schema.json: the value this test sets"
+    example = False if LEAVES[path]["type"] == "boolean" else examples[0]  # every switch is on in base
+    changed_values = with_value(base_values, path, example)
+    assert docs.lookup(base_values, path) != example, f"the example of {path} is its default"
+    jsonschema.validate(changed_values, SCHEMA)
+
+    changed = render(helm, changed_values)
+
+    assert changed != base, f"value {path} has no effect on the rendered chart: use it or remove it"
+    if path in SETTING_OF_VALUE:
+        name = SETTING_OF_VALUE[path]
+        assert plugin_env(changed)[env_name(name)]["value"] == str(example)
+
+
+def test_every_value_of_the_schema_has_a_default_and_a_description() -> None:
+    for path, schema in LEAVES.items():
+        docs.lookup(DEFAULTS, path)  # KeyError: missing from values.yaml
+        if path not in SETTING_OF_VALUE:  # the settings' own descriptions document those
+            assert schema.get("description"), f"{path} needs a description in values.schema.json"
+    jsonschema.validate(DEFAULTS, SCHEMA)
+
+
+def test_schema_offers_what_the_daemon_accepts() -> None:
+    properties = SCHEMA["properties"]
+    assert set(properties["simulate"]["enum"]) == {"", *NODE_PROFILES}
+    assert properties["logFormat"]["enum"] == [member.value for member in LogFormat]
+    for level in properties["logLevel"]["enum"]:
+        Settings(log_level=level)
+    with pytest.raises(ValidationError):
+        Settings(log_level="trace")
+
+
+def test_configuration_docs_are_current() -> None:
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "hack" / "gen-config-docs.py"), "--check"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+# --- what the chart deploys ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES, ids=VALUES_IDS)
+def test_chart_passes_helm_lint_strict(helm: Path, values_file: Path | None) -> None:
+    argv = [str(helm), "lint", "--strict", str(CHART)]
+    if values_file is not None:
+        argv += ["--values", str(values_file)]
+    result = subprocess.run(argv, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES, ids=VALUES_IDS)
+def test_the_account_the_pods_run_as_is_the_one_bound_and_policed(
+    helm: Path, values_file: Path | None
+) -> None:
+    manifests = render(helm, values_file=values_file)
+    given = yaml.safe_load(values_file.read_text()) if values_file else {}
+    account = pod_spec(manifests)["serviceAccountName"]
+
+    (binding,) = of_kind(manifests, "ClusterRoleBinding")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
+    (policy,) = of_kind(manifests, "ValidatingAdmissionPolicy")
+    (condition,) = policy["spec"]["matchConditions"]
+    assert condition["expression"] == (
+        f'request.userInfo.username == "system:serviceaccount:{NAMESPACE}:{account}"'
+    )
+    created = [m["metadata"]["name"] for m in of_kind(manifests, "ServiceAccount")]
+    assert created == ([account] if given.get("serviceAccount", {}).get("create", True) else [])
+
+
+def test_device_classes_follow_the_driver_name(helm: Path) -> None:
+    def classes(driver: str | None) -> dict[str, str]:
+        manifests = render(helm, {"driverName": driver} if driver else {})
+        return {
+            m["metadata"]["name"]: m["spec"]["selectors"][0]["cel"]["expression"]
+            for m in of_kind(manifests, "DeviceClass")
+        }
+
+    assert set(classes(None)) == {"gpu.dra-driver.dev", "mig.dra-driver.dev"}
+    nvidia = classes("gpu.nvidia.com")
+    assert set(nvidia) == {"gpu.nvidia.com", "mig.nvidia.com"}  # the names NVIDIA's driver uses
+    assert nvidia["gpu.nvidia.com"] == (
+        'device.driver == "gpu.nvidia.com" && device.attributes["gpu.nvidia.com"].type == "gpu"'
+    )
+    assert nvidia["mig.nvidia.com"].endswith('.type == "mig"')
+    assert set(classes("accel.example.com")) == {"accel.example.com", "mig.accel.example.com"}
+
+
+def test_one_extended_resource_is_served_by_one_class(helm: Path) -> None:
+    both = {"deviceClasses": {"gpu": {"extendedResourceName": "nvidia.com/gpu"}}}
+    both["deviceClasses"]["mig"] = {"extendedResourceName": "nvidia.com/gpu"}
+    assert "give it to one class only" in render_error(helm, both)
+
+
+def test_upgrades_never_leave_a_node_without_a_plugin(helm: Path) -> None:
+    manifests = render(helm)
+    (daemonset,) = of_kind(manifests, "DaemonSet")
+    assert daemonset["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    spec = pod_spec(manifests)
+    # Old and new pod side by side: sockets named per pod UID, and no host port for them to share.
+    assert plugin_env(manifests)["DRA_POD_UID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid"
+    assert not spec.get("hostNetwork")
+    assert all("hostPort" not in port for port in spec["containers"][0]["ports"])
+    assert spec["priorityClassName"] == "system-node-critical"
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES, ids=VALUES_IDS)
+def test_probes_ask_the_daemons_health_endpoint(helm: Path, values_file: Path | None) -> None:
+    manifests = render(helm, values_file=values_file)
+    (container,) = pod_spec(manifests)["containers"]
+    address = plugin_env(manifests)["DRA_HTTP_ADDRESS"]["value"]
+    (port,) = container["ports"]
+    assert address.endswith(f":{port['containerPort']}")
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": port["name"]}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": port["name"]}
+    for service in of_kind(manifests, "Service"):
+        assert service["spec"]["ports"][0]["targetPort"] == port["name"]
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES, ids=VALUES_IDS)
+def test_host_directories_appear_at_their_host_paths(
+    helm: Path, values_file: Path | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manifests = render(helm, values_file=values_file)
+    spec = pod_spec(manifests)
+    host_paths = {volume["name"]: volume["hostPath"]["path"] for volume in spec["volumes"]}
+    mounts = {mount["mountPath"]: mount["name"] for mount in spec["containers"][0]["volumeMounts"]}
+    assert {mounts[path]: path for path in mounts} == host_paths  # each at its own path, nothing else
+
+    settings = settings_from_env(plugin_env(manifests), monkeypatch, **DOWNWARD)
+    needed = [settings.state_dir, settings.registry_dir, settings.cdi_dir]
+    if settings.driver_root != Path("/"):
+        needed.append(settings.driver_root)
+    for directory in needed:
+        assert str(directory) in mounts, f"{directory} is not mounted from the host"
+    assert spec["containers"][0]["securityContext"] == {"privileged": True}
+
+
+# --- the documentation's examples ---------------------------------------------------------------------
+
+
+def _example_documents() -> Iterator[tuple[Path, Manifest]]:
+    for path in sorted(EXAMPLES.rglob("*.yaml")):
+        for document in yaml.safe_load_all(path.read_text()):
+            if document:
+                yield path, document
+
+
+def _class_names(document: Any) -> Iterator[str]:
+    if isinstance(document, dict):
+        for key, value in document.items():
+            if key == "deviceClassName":
+                yield value
+            else:
+                yield from _class_names(value)
+    elif isinstance(document, list):
+        for item in document:
+            yield from _class_names(item)
+
+
+def test_examples_use_the_device_classes_the_chart_installs(helm: Path) -> None:
+    installed = {m["metadata"]["name"]: m for m in of_kind(render(helm), "DeviceClass")}
+    documents = list(_example_documents())
+    assert documents, f"no examples under {EXAMPLES}"
+    for path, document in documents:
+        for name in _class_names(document):
+            assert name in installed, f"{path.relative_to(REPO_ROOT)} asks for DeviceClass {name}"
+        if document["kind"] == "DeviceClass":  # for clusters without the chart: the same class
+            name = document["metadata"]["name"]
+            assert json.loads(json.dumps(document["spec"])) == installed[name]["spec"], path
