@@ -12,11 +12,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
+from pathlib import Path
 
 import pytest
 from kubernetes import client
 
+from e2e import manifests
 from e2e.cluster import (
     ClusterInfo,
     ControlPlane,
@@ -26,6 +28,9 @@ from e2e.cluster import (
     create_fake_node,
     ensure_control_plane_binaries,
 )
+from e2e.daemon import Daemon
+from e2e.gpu_node import GpuNode
+from e2e.harness import ensure_harness_binary
 
 
 @contextlib.contextmanager
@@ -102,3 +107,90 @@ def fake_node(api: client.ApiClient) -> Iterator[FakeNodeFactory]:
     core = client.CoreV1Api(api)
     for name in created:
         core.delete_node(name)
+
+
+# --- the driver on simulated GPU nodes: the driver process and the kubelet harness -------------------
+#
+# A test module shares one node (kubelet harness + driver daemon); each test gets its own namespace,
+# and leaves the node idle again: its pods gone and every claim unprepared. Processes a test stopped
+# are started again for the next test, so one test's failure does not cascade.
+
+_LOG_MARKS = pytest.StashKey[list[tuple[Daemon, int]]]()
+_LOG_LINES_SHOWN = 300
+
+
+@pytest.fixture(scope="session")
+def kubelet_harness_binary(pytestconfig: pytest.Config) -> Path:
+    with _output_shown(pytestconfig):
+        return ensure_harness_binary()
+
+
+def _device_class(cluster: ClusterInfo, example: Path) -> Iterator[str]:
+    """Installs the DeviceClass of an example file, as a user (or the chart) would, and removes it."""
+    rest = cluster.rest()
+    (device_class,) = manifests.load(example)
+    rest.create(manifests.collection("DeviceClass"), device_class)
+    yield device_class["metadata"]["name"]
+    rest.delete(manifests.object_path(device_class))
+
+
+@pytest.fixture(scope="session")
+def gpu_device_class(cluster: ClusterInfo) -> Iterator[str]:
+    """docs/examples/demo/deviceclass.yaml: every full GPU of the driver."""
+    yield from _device_class(cluster, manifests.DEMO / "deviceclass.yaml")
+
+
+@pytest.fixture(scope="module")
+def mig_device_class(cluster: ClusterInfo) -> Iterator[str]:
+    """docs/examples/deviceclass-mig.yaml: every MIG device of the driver (per module: a module may
+    install it itself)."""
+    yield from _device_class(cluster, manifests.EXAMPLES / "deviceclass-mig.yaml")
+
+
+@pytest.fixture(scope="module")
+def gpu_node(
+    request: pytest.FixtureRequest,
+    cluster: ClusterInfo,
+    kubelet_harness_binary: Path,
+    gpu_device_class: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[GpuNode]:
+    """A simulated DGX H100 of the test module's own, MIG partitions offered on every GPU: kubelet
+    harness and driver daemon running."""
+    module = request.module.__name__.rpartition(".")[2].removeprefix("test_")
+    name = f"node-{module}".replace("_", "-")
+    base_dir = tmp_path_factory.mktemp(name)
+    node = GpuNode(cluster, kubelet_harness_binary, base_dir, name, driver_args=["--mig-partitions=all"])
+    try:
+        node.start()
+        yield node
+    finally:
+        node.remove()
+
+
+@pytest.fixture
+def node(
+    request: pytest.FixtureRequest, gpu_node: GpuNode, namespace: str, api: client.ApiClient
+) -> Iterator[GpuNode]:
+    """The module's node, running, for a test working in `namespace`; the test's pods are deleted and
+    the node is idle again afterwards (a claim left prepared fails the test's teardown)."""
+    gpu_node.start()
+    request.node.stash[_LOG_MARKS] = [(daemon, daemon.log_size()) for daemon in gpu_node.daemons]
+    yield gpu_node
+    gpu_node.start()  # a test that fails while a process is down must not strand its claims
+    client.CoreV1Api(api).delete_collection_namespaced_pod(namespace, grace_period_seconds=0)
+    gpu_node.wait_idle()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failing test that used a GPU node shows what its driver and kubelet logged meanwhile."""
+    report: pytest.TestReport = yield
+    if report.failed:
+        for daemon, offset in item.stash.get(_LOG_MARKS, []):
+            lines = daemon.log_since(offset).splitlines()
+            shown = "\n".join(lines[-_LOG_LINES_SHOWN:])
+            report.sections.append((f"{daemon.name} log ({daemon.log}, last lines)", shown))
+    return report

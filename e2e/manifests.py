@@ -1,0 +1,74 @@
+"""The user-facing example manifests under docs/examples, applied the way a user applies them.
+
+Tests create exactly what the documentation shows, so an example that stops working fails a test.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from pathlib import Path
+
+import yaml
+
+from e2e.cluster import JsonObject, RestClient
+from e2e.cluster.binaries import REPO_ROOT
+
+EXAMPLES = REPO_ROOT / "docs" / "examples"
+DEMO = EXAMPLES / "demo"
+
+# kind -> (API path prefix, plural, namespaced) for the kinds the examples use.
+_KINDS: dict[str, tuple[str, str, bool]] = {
+    "DeviceClass": ("/apis/resource.k8s.io/v1", "deviceclasses", False),
+    "ResourceClaim": ("/apis/resource.k8s.io/v1", "resourceclaims", True),
+    "ResourceClaimTemplate": ("/apis/resource.k8s.io/v1", "resourceclaimtemplates", True),
+    "Pod": ("/api/v1", "pods", True),
+}
+
+
+def load(path: Path) -> list[JsonObject]:
+    """The objects of a multi-document YAML file, in order."""
+    with path.open() as stream:
+        return [document for document in yaml.safe_load_all(stream) if document]
+
+
+def collection(kind: str, namespace: str | None = None) -> str:
+    prefix, plural, namespaced = _KINDS[kind]
+    if not namespaced:
+        return f"{prefix}/{plural}"
+    if namespace is None:
+        raise ValueError(f"a {kind} lives in a namespace; name one")
+    return f"{prefix}/namespaces/{namespace}/{plural}"
+
+
+def object_path(obj: JsonObject, namespace: str | None = None) -> str:
+    return f"{collection(obj['kind'], namespace)}/{obj['metadata']['name']}"
+
+
+def pinned(objects: Iterable[JsonObject], node_name: str) -> list[JsonObject]:
+    """Copies in which every Pod may only be scheduled onto `node_name` (by its hostname label).
+
+    Other tests' nodes publish devices of the same driver; a selector keeps each test's pods where it
+    looks for them, and still lets the scheduler do the allocation (`nodeName` would bypass it).
+    """
+    result = []
+    for obj in objects:
+        obj = copy.deepcopy(obj)
+        if obj["kind"] == "Pod":
+            obj["spec"].setdefault("nodeSelector", {})["kubernetes.io/hostname"] = node_name
+        result.append(obj)
+    return result
+
+
+def apply(rest: RestClient, objects: Iterable[JsonObject], namespace: str) -> list[JsonObject]:
+    """Creates the objects (namespaced ones in `namespace`) in order; returns them as stored."""
+    return [rest.create(collection(obj["kind"], namespace), obj) for obj in objects]
+
+
+def of_kind(objects: Iterable[JsonObject], kind: str) -> list[JsonObject]:
+    return [obj for obj in objects if obj["kind"] == kind]
+
+
+def apply_example(rest: RestClient, path: Path, namespace: str, *, node_name: str) -> list[JsonObject]:
+    """Applies an example file into `namespace` with its Pods kept to `node_name` (see `pinned`)."""
+    return apply(rest, pinned(load(path), node_name), namespace)
