@@ -20,7 +20,7 @@ from kubernetes.aio import config as kube_config
 
 from dra_driver.cdi.spec import CommonEdits, common_edits
 from dra_driver.cdi.store import SpecStore
-from dra_driver.devices.backend import Backend
+from dra_driver.devices.backend import Backend, DeviceError
 from dra_driver.devices.backends import open_backend
 from dra_driver.devices.driver_root import find_driver_files
 from dra_driver.devices.types import Inventory
@@ -69,7 +69,16 @@ def desired_slices(
 
 def edits_for(settings: Settings, inventory: Inventory) -> CommonEdits:
     """What every container with one of our GPUs needs from the host."""
-    files = find_driver_files(settings.driver_root, inventory.driver_version)
+    try:
+        files = find_driver_files(
+            settings.driver_root, inventory.driver_version, seen_at=settings.driver_root_mount
+        )
+    except DeviceError as err:
+        if not settings.simulate:
+            raise
+        # Simulated GPUs on a machine without the NVIDIA driver: nothing to mount, and that is fine.
+        log.info("no NVIDIA driver files for the simulated GPUs; specs mount none", reason=str(err))
+        files = None
     return common_edits(inventory, files)
 
 

@@ -82,6 +82,13 @@ class Settings(BaseSettings):
             "with the GPU operator); driver libraries found there are mounted into containers."
         ),
     ] = Path("/")
+    driver_root_mount: Annotated[
+        Path | None,
+        Field(
+            description="Where this plugin's own container sees the driver root (the chart mounts it "
+            "at /driver-root); unset: at the driver root's own path, as when running on the host."
+        ),
+    ] = None
     boot_id_file: Annotated[
         Path, Field(description="File holding the boot id; prepared state from another boot is cleared.")
     ] = Path("/proc/sys/kernel/random/boot_id")

@@ -38,8 +38,13 @@ _LONG_DEFAULT = 60  # characters; a longer default is left to values.yaml
 class ChartSets:
     """A setting the chart fills in itself rather than from a value."""
 
-    field_path: str | None  # the pod field passed through the downward API; None: left to the daemon
+    field_path: str | None  # the pod field passed through the downward API
     why: str
+    value: str | None = None  # a fixed value the chart sets; neither this nor field_path: left to the daemon
+
+    @property
+    def left_to_daemon(self) -> bool:
+        return self.field_path is None and self.value is None
 
 
 # Every setting of the daemon is either a top-level value of the chart (camelCase of its name) or
@@ -55,6 +60,11 @@ CHART_SETS: dict[str, ChartSets] = {
         "unset: the default, inside the host directory the chart mounts, so the checkpoint outlives the pod",
     ),
     "boot_id_file": ChartSets(None, "unset: the kernel shows the host's boot id in every container"),
+    "driver_root_mount": ChartSets(
+        None,
+        "`/driver-root`, where the chart mounts the host's driverRoot into the plugin",
+        value="/driver-root",
+    ),
 }
 
 

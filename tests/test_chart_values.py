@@ -143,11 +143,13 @@ def test_every_setting_is_a_value_or_set_by_the_chart() -> None:
 @pytest.mark.parametrize("values_file", VALUES_FILES, ids=VALUES_IDS)
 def test_the_plugin_gets_one_variable_per_setting_and_no_other(helm: Path, values_file: Path | None) -> None:
     env = plugin_env(render(helm, values_file=values_file))
-    left_to_daemon = {name for name, chart in docs.CHART_SETS.items() if chart.field_path is None}
+    left_to_daemon = {name for name, chart in docs.CHART_SETS.items() if chart.left_to_daemon}
     assert set(env) == {env_name(name) for name in Settings.model_fields if name not in left_to_daemon}
     for name, chart in docs.CHART_SETS.items():
         if chart.field_path is not None:
             assert env[env_name(name)]["valueFrom"]["fieldRef"]["fieldPath"] == chart.field_path
+        if chart.value is not None:
+            assert env[env_name(name)]["value"] == chart.value
 
 
 @pytest.mark.parametrize("values_file", VALUES_FILES, ids=VALUES_IDS)
@@ -330,13 +332,14 @@ def test_host_directories_appear_at_their_host_paths(
     spec = pod_spec(manifests)
     host_paths = {volume["name"]: volume["hostPath"]["path"] for volume in spec["volumes"]}
     mounts = {mount["mountPath"]: mount["name"] for mount in spec["containers"][0]["volumeMounts"]}
+    settings = settings_from_env(plugin_env(manifests), monkeypatch, **DOWNWARD)
+    # The driver root is the one exception: the host's / cannot appear at / in a container, so
+    # it is mounted where DRA_DRIVER_ROOT_MOUNT tells the daemon to look.
+    assert settings.driver_root_mount is not None
+    assert host_paths.pop(mounts.pop(str(settings.driver_root_mount))) == str(settings.driver_root)
     assert {mounts[path]: path for path in mounts} == host_paths  # each at its own path, nothing else
 
-    settings = settings_from_env(plugin_env(manifests), monkeypatch, **DOWNWARD)
-    needed = [settings.state_dir, settings.registry_dir, settings.cdi_dir]
-    if settings.driver_root != Path("/"):
-        needed.append(settings.driver_root)
-    for directory in needed:
+    for directory in (settings.state_dir, settings.registry_dir, settings.cdi_dir):
         assert str(directory) in mounts, f"{directory} is not mounted from the host"
     assert spec["containers"][0]["securityContext"] == {"privileged": True}
 

@@ -17,11 +17,15 @@ def open_backend(
     sysfs_root: Path = Path("/sys"),
     procfs_root: Path = Path("/proc"),
     dev_root: Path = Path("/"),
+    driver_root: Path | None = None,
 ) -> Backend:
     """Simulated GPUs of node profile ``simulate`` (state kept in ``data_dir``), else the real ones via NVML.
 
+    ``driver_root`` is where this process sees the NVIDIA driver, to load NVML from.
     Raises DeviceError when the profile is unknown or NVML cannot start.
     """
     if simulate:
         return SimulatedBackend(simulate, node_name, data_dir)
-    return NvmlBackend(sysfs_root=sysfs_root, procfs_root=procfs_root, dev_root=dev_root)
+    return NvmlBackend(
+        sysfs_root=sysfs_root, procfs_root=procfs_root, dev_root=dev_root, driver_root=driver_root
+    )

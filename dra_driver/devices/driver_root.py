@@ -1,10 +1,13 @@
 """The host driver files a GPU container needs, found under a driver root.
 
-The driver root is where the NVIDIA user-space driver is installed as seen from
-the plugin: ``/`` for a driver installed on the host, ``/run/nvidia/driver`` for
-one installed by a driver container. Inside the workload's container every file
-appears at its path relative to that root, so ``<root>/usr/lib64/libcuda.so.X``
-is mounted at ``/usr/lib64/libcuda.so.X``.
+The driver root is where the NVIDIA user-space driver is installed on the host:
+``/`` for a driver installed there, ``/run/nvidia/driver`` for one installed by a
+driver container. Inside the workload's container every file appears at its path
+relative to that root, so ``<root>/usr/lib64/libcuda.so.X`` is mounted at
+``/usr/lib64/libcuda.so.X``. The plugin itself usually runs in a container too,
+which sees the host's driver root mounted elsewhere (``/driver-root``): files are
+looked up there, while the CDI spec names them by their host paths, because the
+container runtime reads them on the host.
 """
 
 from __future__ import annotations
@@ -74,29 +77,39 @@ def _host_file(root: Path, relative: str) -> HostFile:
     return HostFile(PurePosixPath(root / relative), PurePosixPath("/") / relative)
 
 
-def _first(root: Path, directories: tuple[str, ...], name: str) -> HostFile | None:
+def find_in(seen_at: Path, directories: tuple[str, ...], name: str) -> str | None:
+    """The first ``<directory>/<name>`` that exists under ``seen_at``, relative to it."""
     for directory in directories:
         candidate = f"{directory}/{name}"
-        if (root / candidate).exists():
-            return _host_file(root, candidate)
+        if (seen_at / candidate).exists():
+            return candidate
     return None
 
 
-def find_driver_files(driver_root: Path, driver_version: str) -> DriverFiles:
-    """The files of driver ``driver_version`` under ``driver_root``; DeviceError without libcuda/NVML."""
+def find_driver_files(driver_root: Path, driver_version: str, *, seen_at: Path | None = None) -> DriverFiles:
+    """The files of driver ``driver_version`` under ``driver_root``; DeviceError without libcuda/NVML.
+
+    ``seen_at`` is where this process sees the driver root (default: at ``driver_root`` itself).
+    """
+    lookup_root = seen_at or driver_root
+
+    def first(directories: tuple[str, ...], name: str) -> HostFile | None:
+        found = find_in(lookup_root, directories, name)
+        return _host_file(driver_root, found) if found else None
+
     libraries: list[HostFile] = []
     for library in COMPUTE_LIBRARIES:
-        found = _first(driver_root, LIBRARY_DIRS, f"{library}.so.{driver_version}")
+        found = first(LIBRARY_DIRS, f"{library}.so.{driver_version}")
         if found:
             libraries.append(found)
         elif library in REQUIRED_LIBRARIES:
-            searched = ", ".join(str(driver_root / d) for d in LIBRARY_DIRS)
+            searched = ", ".join(str(lookup_root / d) for d in LIBRARY_DIRS)
             raise DeviceError(
                 f"{library}.so.{driver_version} is not under driver root {driver_root} (searched "
                 f"{searched}); set the driver root to where the NVIDIA driver of this version is installed"
             )
-    binaries = tuple(found for name in BINARIES if (found := _first(driver_root, BINARY_DIRS, name)))
-    firmware = _first(driver_root, FIRMWARE_DIRS, driver_version)
+    binaries = tuple(found for name in BINARIES if (found := first(BINARY_DIRS, name)))
+    firmware = first(FIRMWARE_DIRS, driver_version)
     return DriverFiles(
         root=PurePosixPath(driver_root),
         driver_version=driver_version,

@@ -30,6 +30,7 @@ import structlog
 
 from dra_driver.devices.backend import DeviceError, DeviceInUseError, PlacementUnavailableError
 from dra_driver.devices.catalog import load_catalog
+from dra_driver.devices.driver_root import LIBRARY_DIRS, find_in
 from dra_driver.devices.naming import (
     ARCHITECTURE_HOPPER,
     GPU_INSTANCE_PROFILE_COUNT,
@@ -104,10 +105,13 @@ class NvmlBackend:
         sysfs_root: Path = Path("/sys"),
         procfs_root: Path = Path("/proc"),
         dev_root: Path = Path("/"),
+        driver_root: Path | None = None,
     ) -> None:
         self._sysfs_root = sysfs_root
         self._procfs_root = procfs_root
         self._dev_root = dev_root
+        if driver_root is not None:
+            _preload_nvml(driver_root)
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as e:
@@ -509,3 +513,21 @@ class NvmlBackend:
             pynvml.nvmlGpuInstanceDestroy(gpu_instance)
         except pynvml.NVMLError as e:
             log.error("mig_rollback_failed", gpu=gpu_uuid, error=str(e))
+
+
+NVML_SONAME = "libnvidia-ml.so.1"
+
+
+def _preload_nvml(driver_root: Path) -> None:
+    """Load ``libnvidia-ml.so.1`` from the driver root, where no library path points.
+
+    pynvml opens the library by its soname; once a library of that soname is loaded, the
+    dynamic loader hands out the loaded one, so loading it by full path first is enough.
+    """
+    found = find_in(driver_root, LIBRARY_DIRS, NVML_SONAME)
+    if found is None:
+        return  # left to the library path; nvmlInit says what is missing
+    try:
+        ctypes.CDLL(str(driver_root / found), mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        raise DeviceError(f"cannot load {driver_root / found}: {e}; check the driver root") from e

@@ -118,3 +118,18 @@ def test_a_root_without_libcuda_says_what_to_set(tmp_path):
         DeviceError, match=rf"libcuda\.so\.{VERSION} is not under driver root .*set the driver root"
     ):
         find_driver_files(tmp_path, VERSION)
+
+
+def test_files_seen_at_a_mount_are_named_by_their_host_paths(tmp_path: Path) -> None:
+    # The plugin's container sees the host's / at /driver-root; the runtime reads the host's paths.
+    mount = tmp_path / "driver-root"
+    _install(
+        mount, f"usr/lib64/libcuda.so.{VERSION}", f"usr/lib64/libnvidia-ml.so.{VERSION}", "usr/bin/nvidia-smi"
+    )
+    files = find_driver_files(Path("/"), VERSION, seen_at=mount)
+    libcuda = _by_name(files.libraries)[f"libcuda.so.{VERSION}"]
+    assert libcuda.host_path == PurePosixPath(f"/usr/lib64/libcuda.so.{VERSION}")
+    assert libcuda.container_path == PurePosixPath(f"/usr/lib64/libcuda.so.{VERSION}")
+    assert [b.host_path for b in files.binaries] == [PurePosixPath("/usr/bin/nvidia-smi")]
+    with pytest.raises(DeviceError, match=str(tmp_path / "elsewhere")):
+        find_driver_files(Path("/"), VERSION, seen_at=tmp_path / "elsewhere")
