@@ -16,8 +16,7 @@ from dra_driver.resources.devices import build_devices
 from dra_driver.resources.publisher import SlicePublisher
 from dra_driver.resources.slices import SliceContent, split_pool
 from dra_driver.resources.wire import DeviceTaint
-
-from .factories import DRIVER, a100_40gb, h100, inventory, mig_device, with_mig_devices
+from tests.resources.factories import DRIVER, a100_40gb, h100, inventory, mig_device, with_mig_devices
 
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 GUARD_S = 60  # against a hang only; nothing here measures time
