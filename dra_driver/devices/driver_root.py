@@ -86,6 +86,23 @@ def find_in(seen_at: Path, directories: tuple[str, ...], name: str) -> str | Non
     return None
 
 
+def _soname_links(driver_root: Path, lookup_root: Path, library: HostFile) -> list[HostFile]:
+    """The links that make ``library`` loadable, e.g. ``libcuda.so.1 -> libcuda.so.580.95.05``.
+
+    Programs open libraries by soname, and without nvidia-cdi-hook nothing would create
+    these links in the container. A bind mount of a link mounts its target, so mounting the
+    link at its own path gives the container the library under the name it looks for.
+    """
+    relative_dir = library.container_path.parent.relative_to("/")
+    seen_dir = lookup_root / relative_dir
+    stem = library.container_path.name.split(".so.")[0]
+    links = []
+    for candidate in sorted(seen_dir.glob(f"{stem}.so*")):
+        if candidate.is_symlink() and candidate.resolve().name == library.container_path.name:
+            links.append(_host_file(driver_root, str(relative_dir / candidate.name)))
+    return links
+
+
 def find_driver_files(driver_root: Path, driver_version: str, *, seen_at: Path | None = None) -> DriverFiles:
     """The files of driver ``driver_version`` under ``driver_root``; DeviceError without libcuda/NVML.
 
@@ -102,6 +119,7 @@ def find_driver_files(driver_root: Path, driver_version: str, *, seen_at: Path |
         found = first(LIBRARY_DIRS, f"{library}.so.{driver_version}")
         if found:
             libraries.append(found)
+            libraries.extend(_soname_links(driver_root, lookup_root, found))
         elif library in REQUIRED_LIBRARIES:
             searched = ", ".join(str(lookup_root / d) for d in LIBRARY_DIRS)
             raise DeviceError(

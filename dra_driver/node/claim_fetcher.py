@@ -18,6 +18,8 @@ from typing import Any, Protocol
 
 from kubernetes.aio.client import ApiClient
 
+_GET_TIMEOUT_S = 15.0
+
 
 class ClaimFetchError(Exception):
     """The claim could not be read (network, RBAC, server error); a retry may succeed."""
@@ -73,7 +75,8 @@ class ApiServerClaimFetcher:
             header_params={"Accept": "application/json"},
             auth_settings=["BearerToken"],
         )
-        response: Any = await self._api.call_api(*request)  # RESTResponse: its read() is unannotated
+        # Bounded well below the kubelet's 45 s: a hung API server must not pin the claim's lock.
+        response: Any = await self._api.call_api(*request, _request_timeout=_GET_TIMEOUT_S)
         body: bytes = await response.read()
         return response.status, body
 

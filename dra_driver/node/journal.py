@@ -78,6 +78,19 @@ class Journal:
                 self._written = self.path.read_bytes()
             self._state = state
 
+    async def refresh(self) -> Checkpoint:
+        """The state including what another plugin instance wrote since our last write.
+
+        Read under the file lock. Needed before acting on a record that the other
+        instance of a rolling update may have written (a MIG device to destroy).
+        """
+        return await asyncio.to_thread(self._refresh)
+
+    def _refresh(self) -> Checkpoint:
+        with self._locked():
+            self._state = self._current()
+            return self._state
+
     async def commit(self, mutation: Mutation) -> None:
         """Apply ``mutation`` durably; returns once it is on disk.
 

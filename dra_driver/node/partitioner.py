@@ -93,7 +93,10 @@ class Partitioner:
                 log.warning("re-reading the GPUs after a MIG change failed", error=str(error))
                 return
             self._delivered = covered
-            self._on_inventory_changed(latest)
+            try:
+                self._on_inventory_changed(latest)
+            except Exception:  # publishing is the app's business; it must not undo a done prepare
+                log.exception("handing on the inventory after a MIG change failed")
 
     def _gpu_lock(self, gpu_uuid: str) -> asyncio.Lock:
         return self._gpu_locks.setdefault(gpu_uuid, asyncio.Lock())

@@ -133,3 +133,20 @@ def test_files_seen_at_a_mount_are_named_by_their_host_paths(tmp_path: Path) -> 
     assert [b.host_path for b in files.binaries] == [PurePosixPath("/usr/bin/nvidia-smi")]
     with pytest.raises(DeviceError, match=str(tmp_path / "elsewhere")):
         find_driver_files(Path("/"), VERSION, seen_at=tmp_path / "elsewhere")
+
+
+def test_soname_links_are_mounted_so_programs_find_the_libraries(tmp_path: Path) -> None:
+    lib = tmp_path / "usr/lib64"
+    _install(tmp_path, f"usr/lib64/libcuda.so.{VERSION}", f"usr/lib64/libnvidia-ml.so.{VERSION}")
+    (lib / "libcuda.so.1").symlink_to(f"libcuda.so.{VERSION}")
+    (lib / "libcuda.so").symlink_to("libcuda.so.1")  # the development link resolves to it as well
+    (lib / "libnvidia-ml.so.1").symlink_to(f"libnvidia-ml.so.{VERSION}")
+    (lib / "libcuda.so.2").symlink_to("elsewhere.so")  # not a link to this driver's library
+    names = [f.container_path.name for f in find_driver_files(tmp_path, VERSION).libraries]
+    assert names == [
+        f"libcuda.so.{VERSION}",
+        "libcuda.so",
+        "libcuda.so.1",
+        f"libnvidia-ml.so.{VERSION}",
+        "libnvidia-ml.so.1",
+    ]
