@@ -12,23 +12,27 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 
 import structlog
 from kubernetes.aio import client as kube_client
 from kubernetes.aio import config as kube_config
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from dra_driver.cdi.spec import CommonEdits, common_edits
 from dra_driver.cdi.store import SpecStore
 from dra_driver.devices.backend import Backend, DeviceError
 from dra_driver.devices.backends import open_backend
 from dra_driver.devices.driver_root import find_driver_files
-from dra_driver.devices.types import Inventory
+from dra_driver.devices.health import HealthSource, NodeFaults, open_health_source
+from dra_driver.devices.types import HealthState, Inventory
 from dra_driver.http import StatusServer
 from dra_driver.kubelet.health import HealthBoard
 from dra_driver.kubelet.server import KubeletPlugin
 from dra_driver.metrics import Metrics
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
+from dra_driver.node.claim_status import ApiServerClaimStatus, ClaimStatusWriter
 from dra_driver.node.preparer import NodePreparer
 from dra_driver.resources.devices import (
     PartitionPolicy,
@@ -39,7 +43,16 @@ from dra_driver.resources.devices import (
 )
 from dra_driver.resources.publisher import SlicePublisher
 from dra_driver.resources.slices import SliceContent, split_pool
-from dra_driver.settings import Settings
+from dra_driver.resources.taints import (
+    DeviceHealth,
+    TaintPolicy,
+    device_health,
+    device_taints,
+    faults_to_taint,
+    unknown_gpus,
+)
+from dra_driver.resources.wire import DeviceTaint
+from dra_driver.settings import Settings, TaintsOnRecovery, xid_numbers
 
 log = structlog.get_logger("dra_driver.app")
 
@@ -56,15 +69,30 @@ def partition_policy(setting: str) -> PartitionPolicy:
 
 
 def desired_slices(
-    settings: Settings, inventory: Inventory, owned_mig_uuids: Collection[str] = frozenset()
+    settings: Settings,
+    inventory: Inventory,
+    owned_mig_uuids: Collection[str] = frozenset(),
+    taints: Mapping[str, Sequence[DeviceTaint]] | None = None,
 ) -> list[SliceContent]:
     """What the pool should contain for ``inventory``: the one rule shared by daemon and CLI.
 
     ``owned_mig_uuids`` are the MIG devices the driver created for claims; they stay published
-    as the placements they were created from.
+    as the placements they were created from. ``taints`` are those of faulty GPUs' devices.
     """
     policy = partition_policy(settings.mig_partitions)
-    return split_pool(build_devices(inventory, partition=policy, owned_mig_uuids=owned_mig_uuids))
+    return split_pool(
+        build_devices(inventory, partition=policy, owned_mig_uuids=owned_mig_uuids, taints=taints)
+    )
+
+
+def taint_policy(settings: Settings) -> TaintPolicy:
+    return TaintPolicy(
+        driver_name=settings.driver_name,
+        xid_effect=settings.xid_taint_effect,
+        gpu_lost_effect=settings.gpu_lost_taint_effect,
+        gpu_lost_xids=frozenset(xid_numbers(settings.gpu_lost_xids)),
+        remove_on_recovery=settings.taints_on_recovery is TaintsOnRecovery.REMOVE,
+    )
 
 
 def edits_for(settings: Settings, inventory: Inventory) -> CommonEdits:
@@ -104,7 +132,7 @@ async def node_uid(api: kube_client.ApiClient, node_name: str) -> str | None:
 
 
 class InventoryWatch:
-    """Re-reads the GPUs periodically and republishes when anything changed."""
+    """The current inventory: re-read periodically, and replaced at once when MIG devices change."""
 
     def __init__(
         self, backend: Backend, first: Inventory, on_change: Callable[[Inventory], None], period: float
@@ -113,19 +141,118 @@ class InventoryWatch:
         self.current = first
         self._on_change = on_change
         self._period = period
+        self._version = 0  # counts deliveries, so a read overtaken by a newer one is dropped
+
+    def deliver(self, latest: Inventory) -> None:
+        """Take ``latest`` (read by whoever changed the GPUs) and republish."""
+        self._version += 1
+        self.current = latest
+        self._on_change(latest)
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self._period)
+            started_at = self._version
             try:
                 latest = await asyncio.to_thread(self._backend.inventory)
             except Exception as err:  # a transient hardware read error must not kill the daemon
                 log.warning("re-reading GPUs failed; keeping the last inventory", error=str(err))
                 continue
+            if self._version != started_at:
+                continue  # a MIG change delivered a newer inventory while this read ran
             if latest != self.current:
                 log.info("GPU inventory changed; republishing", gpus=len(latest.gpus))
-                self.current = latest
-                self._on_change(latest)
+                self.deliver(latest)
+
+
+class HealthWatch:
+    """Follows the GPUs' faults and hands them on: taints in the slices, health to the kubelet.
+
+    Changes are coalesced: the first one is applied at once, later ones at most every
+    ``min_interval`` seconds, each time the latest state. A flood of Xid events thus costs a
+    few republishes, not one API write per event, and nothing is lost: the publisher retries
+    the latest desired slices until the API server has them.
+    """
+
+    def __init__(
+        self,
+        source: HealthSource,
+        policy: TaintPolicy,
+        inventory: Callable[[], Inventory],
+        on_change: Callable[[], None],
+        min_interval: float = 0.2,
+    ) -> None:
+        self.faults: NodeFaults = {}  # what is wrong now
+        self.tainted: NodeFaults = {}  # what the published taints are for
+        self._updates = source.watch()
+        self._policy = policy
+        self._inventory = inventory
+        self._on_change = on_change
+        self._min_interval = min_interval
+        self._warned_unknown: set[str] = set()
+
+    async def start(self) -> None:
+        """Take the first report, so that the first slices published carry the taints already."""
+        self._apply(await anext(self._updates))
+
+    async def run(self) -> None:
+        latest: NodeFaults | None = None
+        arrived = asyncio.Event()
+
+        async def follow() -> None:
+            nonlocal latest
+            async for faults in self._updates:
+                latest = faults
+                arrived.set()
+
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(follow())
+            while True:
+                await arrived.wait()
+                arrived.clear()
+                if latest is not None:
+                    self._apply(latest)
+                await asyncio.sleep(self._min_interval)  # a rate limit, not a synchronisation
+
+    def _apply(self, faults: NodeFaults) -> None:
+        if faults == self.faults:
+            return
+        for uuid in sorted({*faults, *self.faults}):
+            if faults.get(uuid) == self.faults.get(uuid):
+                continue
+            if uuid in faults:
+                log.warning("GPU unhealthy", gpu=uuid, faults=[fault.describe() for fault in faults[uuid]])
+            else:
+                log.info("GPU healthy again", gpu=uuid)
+        unknown = set(unknown_gpus(self._inventory(), faults)) - self._warned_unknown
+        if unknown:
+            log.warning("faults reported for GPUs the node does not have; ignored", gpus=sorted(unknown))
+            self._warned_unknown |= unknown
+        self.faults = faults
+        self.tainted = faults_to_taint(self.tainted, faults, self._policy)
+        self._on_change()
+
+
+class ClaimDevicesCollector(Collector):
+    """``dra_driver_claim_device_info``: which GPU or MIG device each prepared claim holds, and its health."""
+
+    def __init__(self, writer: ClaimStatusWriter) -> None:
+        self._writer = writer
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "dra_driver_claim_device_info",
+            "A device prepared for a claim on this node: the GPU or MIG uuid behind it and whether it is "
+            "healthy (True, False or Unknown), as in the claim's status.devices.",
+            labels=["namespace", "claim", "claim_uid", "device", "uuid", "healthy"],
+        )
+        for row in self._writer.mapping():
+            labels = [row.claim.namespace, row.claim.name, row.claim.uid, row.device, row.uuid, row.health]
+            family.add_metric(labels, 1)
+        yield family
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(())  # no collect() at registration: the writer has nothing yet
 
 
 async def run_plugin(settings: Settings, stop: asyncio.Event | None = None) -> None:
@@ -136,7 +263,11 @@ async def run_plugin(settings: Settings, stop: asyncio.Event | None = None) -> N
     state_dir.mkdir(parents=True, exist_ok=True)
     async with contextlib.AsyncExitStack() as held:
         backend = await asyncio.to_thread(
-            open_backend, settings.simulate or None, state_dir, settings.node_name
+            open_backend,
+            settings.simulate or None,
+            state_dir,
+            settings.node_name,
+            driver_root=settings.driver_root_mount or settings.driver_root,
         )
         held.push_async_callback(asyncio.to_thread, backend.close)
         inventory = await asyncio.to_thread(backend.inventory)
@@ -162,6 +293,7 @@ async def _serve(
     state_dir = settings.state_dir
     metrics = Metrics()
     health = HealthBoard()
+    policy = taint_policy(settings)
     publisher = SlicePublisher(
         api,
         driver=settings.driver_name,
@@ -170,16 +302,37 @@ async def _serve(
     )
 
     def publish(latest: Inventory) -> None:
-        slices = desired_slices(settings, latest, preparer.owned_mig_uuids())
+        taints = device_taints(latest, gpu_health.tainted, policy)
+        slices = desired_slices(settings, latest, preparer.owned_mig_uuids(), taints)
         publisher.set_desired(slices)
-        health.set_devices(settings.node_name, [d["name"] for s in slices for d in s.devices])
+        names = [d["name"] for s in slices for d in s.devices]
+        health.set_devices(settings.node_name, names)
+        unhealthy = device_health(latest, gpu_health.faults)
+        for name in names:
+            device = unhealthy.get(name, DeviceHealth(HealthState.HEALTHY))
+            health.mark(settings.node_name, name, device.state, device.message)
 
-    def mig_devices_changed(latest: Inventory) -> None:
-        """The preparer created or destroyed a MIG device: plan and publish from the new state now."""
-        watch.current = latest
-        publish(latest)
+    def health_changed() -> None:
+        publish(watch.current)
+        claim_status.health_changed()
 
     watch = InventoryWatch(backend, inventory, publish, settings.inventory_refresh_seconds)
+    gpu_health = HealthWatch(
+        open_health_source(
+            backend,
+            ignored_xids=xid_numbers(settings.ignored_xids),
+            poll_seconds=settings.health_poll_seconds,
+        ),
+        policy,
+        lambda: watch.current,
+        health_changed,
+    )
+    claim_status = ClaimStatusWriter(
+        ApiServerClaimStatus(api),
+        driver_name=settings.driver_name,
+        inventory=lambda: watch.current,
+        faults=lambda: gpu_health.faults,
+    )
     preparer = NodePreparer(
         driver_name=settings.driver_name,
         node_name=settings.node_name,
@@ -191,11 +344,17 @@ async def _serve(
         checkpoint_path=state_dir / CHECKPOINT_FILE,
         boot_id_path=settings.boot_id_file,
         partition=partition_policy(settings.mig_partitions),
-        on_inventory_changed=mig_devices_changed,
+        on_inventory_changed=watch.deliver,  # MIG devices created or destroyed: publish now
         observer=metrics,
+        on_prepared=claim_status.prepared,
+        on_unprepared=claim_status.unprepared,
     )
     await preparer.start()  # before publishing: it knows which MIG devices are the driver's own
+    await gpu_health.start()  # before publishing too: a faulty GPU is never offered untainted
     publish(inventory)
+    for ref, devices in preparer.prepared():  # a restarted plugin refreshes what it holds
+        claim_status.prepared(ref, devices)
+    metrics.registry.register(ClaimDevicesCollector(claim_status))
     metrics.devices_published.set_function(lambda: publisher.published_devices)
     metrics.prepared_claims.set_function(lambda: preparer.prepared_claims)
 
@@ -228,7 +387,12 @@ async def _serve(
             http_port=status.port if status else None,
             startup_seconds=round(time.monotonic() - started, 3),
         )
-        tasks = [asyncio.create_task(publisher.run()), asyncio.create_task(watch.run())]
+        tasks = [
+            asyncio.create_task(publisher.run()),
+            asyncio.create_task(watch.run()),
+            asyncio.create_task(gpu_health.run()),
+            asyncio.create_task(claim_status.run()),
+        ]
         await _until_stopped(stop, tasks)
     finally:
         log.info("shutting down")

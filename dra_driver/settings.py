@@ -15,6 +15,9 @@ from typing import Annotated
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from dra_driver.devices.health import APPLICATION_XIDS, GPU_LOST_XIDS
+from dra_driver.resources.taints import TaintEffect
+
 ENV_PREFIX = "DRA_"
 DEFAULT_DRIVER_NAME = "gpu.dra-driver.dev"
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -24,6 +27,11 @@ class LogFormat(StrEnum):
     AUTO = "auto"  # JSON when stderr is not a terminal (a pod), readable text on a terminal
     JSON = "json"
     CONSOLE = "console"
+
+
+class TaintsOnRecovery(StrEnum):
+    REMOVE = "remove"
+    KEEP = "keep"
 
 
 class Settings(BaseSettings):
@@ -109,6 +117,50 @@ class Settings(BaseSettings):
         float,
         Field(gt=0, description="How often the GPUs are re-read to notice changes (MIG, hot-plug)."),
     ] = 10.0
+    ignored_xids: Annotated[
+        str,
+        Field(
+            description="Xids that are errors of the application, not of the GPU, and leave it healthy: "
+            "a comma-separated list (empty: none). The default is NVIDIA's list."
+        ),
+    ] = ",".join(map(str, APPLICATION_XIDS))
+    xid_taint_effect: Annotated[
+        TaintEffect,
+        Field(
+            description="Effect of the taint on the devices of a GPU with a critical Xid: NoSchedule "
+            "(no new claims), NoExecute (also evicts the pods using it) or None (informs only)."
+        ),
+    ] = TaintEffect.NO_SCHEDULE
+    gpu_lost_xids: Annotated[
+        str,
+        Field(
+            description="Xids that mean the GPU is gone until it is reset (comma-separated); their "
+            "taint gets the effect of gpu-lost-taint-effect instead."
+        ),
+    ] = ",".join(map(str, GPU_LOST_XIDS))
+    gpu_lost_taint_effect: Annotated[
+        TaintEffect,
+        Field(
+            description="Effect of the taint on the devices of a GPU that is lost (NVML cannot reach it) "
+            "or had one of the gpu-lost-xids: NoExecute, NoSchedule or None."
+        ),
+    ] = TaintEffect.NO_EXECUTE
+    taints_on_recovery: Annotated[
+        TaintsOnRecovery,
+        Field(
+            description="What becomes of a GPU's taints when it recovers: remove them, or keep them "
+            "until the plugin restarts, as NVIDIA's driver does."
+        ),
+    ] = TaintsOnRecovery.REMOVE
+    health_poll_seconds: Annotated[
+        float,
+        Field(
+            gt=0,
+            le=10,
+            description="How often GPU health is checked: lost GPUs through NVML, injected faults in the "
+            "simulator. Xid events from NVML are seen at once.",
+        ),
+    ] = 0.5
 
     @field_validator("driver_name")
     @classmethod
@@ -136,6 +188,27 @@ class Settings(BaseSettings):
             raise ValueError("must be all, none, or a comma-separated list of GPU UUIDs or minor numbers")
         return value
 
+    @field_validator("ignored_xids", "gpu_lost_xids")
+    @classmethod
+    def _xid_list(cls, value: str) -> str:
+        return ",".join(str(xid) for xid in xid_numbers(value))
+
     @property
     def state_dir(self) -> Path:
         return self.data_dir or self.plugins_dir / self.driver_name
+
+
+def xid_numbers(value: str) -> tuple[int, ...]:
+    """The Xids of a comma-separated list, ``"13, 31"`` -> ``(13, 31)``; ValueError names a bad one."""
+    xids = []
+    for part in value.split(","):
+        if not part.strip():
+            continue
+        try:
+            xid = int(part)
+        except ValueError:
+            raise ValueError(f"{part.strip()!r} is not an Xid number; expected e.g. 13,31,43") from None
+        if xid <= 0:
+            raise ValueError(f"{xid} is not an Xid number; Xids are positive")
+        xids.append(xid)
+    return tuple(dict.fromkeys(xids))

@@ -20,6 +20,13 @@ A device name resolves to one of three things (names follow
 Whether a placement overlaps a live instance is not decided here: the inventory may
 be seconds old, and the hardware refuses an overlap when the device is created.
 
+Admin access (a monitoring or maintenance pod in a namespace labelled
+``resource.kubernetes.io/admin-access: "true"``) resolves like any other allocation but
+never to a MIG device to create: it looks at a device some workload may be using, so it
+gets that device as it is, announced by ``DRA_GPU_ADMIN_ACCESS_<DEVICE>=true``. The
+checkpoint does not count it against the device (:mod:`dra_driver.node.state`), so
+unpreparing it leaves the workload's claim alone.
+
 What the sharing settings do. They are validated (also against the device, e.g. an
 MPS memory limit larger than the device), recorded in the checkpoint, and announced
 to the container, per device, as environment variables::
@@ -70,6 +77,8 @@ from dra_driver.node.config import (
 )
 from dra_driver.resources.devices import PartitionPolicy, offers_partitions, partition_all
 from dra_driver.resources.naming import gpu_device_name, mig_device_name
+
+ADMIN_ACCESS_ENV_PREFIX = "DRA_GPU_ADMIN_ACCESS_"
 
 
 @dataclass(frozen=True)
@@ -295,17 +304,30 @@ def _check_fits(device: PlannedDevice) -> None:
 
 
 def _cdi_device(device: PlannedDevice) -> CdiDevice:
+    env = sharing_env(device.result.device, device.config.sharing)
+    if device.result.admin_access:
+        env += admin_access_env(device.result.device)
     return CdiDevice(
         name=device.result.device,
         device_nodes=device.target.device_nodes,
-        env=sharing_env(device.result.device, device.config.sharing),
+        env=env,
         uuid=device.target.uuid,
     )
 
 
+def admin_access_env(device: str) -> tuple[tuple[str, str], ...]:
+    """The variable telling a maintenance container that it holds ``device`` with admin access."""
+    return ((f"{ADMIN_ACCESS_ENV_PREFIX}{_device_suffix(device)}", "true"),)
+
+
+def _device_suffix(device: str) -> str:
+    """``gpu-0`` -> ``GPU_0``: the <DEVICE> of every per-device variable, as in DRA_GPU_UUID_<DEVICE>."""
+    return uuid_env_name(device).removeprefix(UUID_ENV_PREFIX)
+
+
 def sharing_env(device: str, sharing: GpuSharing | MigSharing) -> tuple[tuple[str, str], ...]:
     """The variables announcing ``device``'s sharing settings (see the module doc)."""
-    suffix = uuid_env_name(device).removeprefix(UUID_ENV_PREFIX)  # the same <DEVICE> as the UUID variable
+    suffix = _device_suffix(device)
     env: list[tuple[str, str]] = [(f"DRA_GPU_SHARING_STRATEGY_{suffix}", sharing.strategy)]
     if isinstance(sharing, GpuSharing) and sharing.strategy == "TimeSlicing":
         interval = sharing.time_slicing.interval if sharing.time_slicing else "Default"

@@ -95,7 +95,8 @@ class NodePreparer:
     MIG device it creates or destroys, the preparer reads ``backend`` again and passes
     the result to ``on_inventory_changed``, which must make ``inventory`` return it
     (and republish). ``partition`` is the policy that publishes MIG placements: only
-    GPUs it selects get MIG devices created.
+    GPUs it selects get MIG devices created. ``on_prepared`` and ``on_unprepared`` hear of
+    every claim prepared (also again) and unprepared; they must not block.
     """
 
     def __init__(
@@ -113,6 +114,8 @@ class NodePreparer:
         partition: PartitionPolicy = partition_all,
         on_inventory_changed: Callable[[Inventory], None] | None = None,
         observer: PrepareObserver | None = None,
+        on_prepared: Callable[[ClaimRef, tuple[PreparedDevice, ...]], None] | None = None,
+        on_unprepared: Callable[[ClaimRef], None] | None = None,
     ) -> None:
         self._driver = driver_name
         self._pool = node_name
@@ -124,6 +127,8 @@ class NodePreparer:
         self._boot_id_path = boot_id_path
         self._partition = partition
         self._observer = observer
+        self._on_prepared = on_prepared
+        self._on_unprepared = on_unprepared
         self._journal = Journal(checkpoint_path)
         self._locks = _ClaimLocks()
         self._partitioner = Partitioner(backend, on_inventory_changed)
@@ -147,6 +152,14 @@ class NodePreparer:
         """Claims recorded as prepared (or being prepared) on this node, for the metrics gauge."""
         return len(self._journal.state.claims)
 
+    def prepared(self) -> list[tuple[ClaimRef, tuple[PreparedDevice, ...]]]:
+        """The claims the checkpoint holds as completely prepared, with their devices."""
+        return [
+            (ClaimRef(record.namespace, record.name, uid), _prepared_devices(record))
+            for uid, record in self._journal.state.claims.items()
+            if record.phase == "PrepareCompleted" and record.namespace
+        ]
+
     def owned_mig_uuids(self) -> frozenset[str]:
         """The MIG devices this driver created for claims; every other MIG device is static."""
         return frozenset(self._mig_holders())
@@ -163,6 +176,10 @@ class NodePreparer:
     async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareOutcome]:
         report = self._observer.prepare_done if self._observer else None
         outcomes = await asyncio.gather(*(self._run(ref, "prepare", self._prepare, report) for ref in claims))
+        if self._on_prepared is not None:
+            for ref, outcome in zip(claims, outcomes, strict=True):
+                if not isinstance(outcome, ClaimError):
+                    self._on_prepared(ref, outcome)
         return {ref.uid: outcome for ref, outcome in zip(claims, outcomes, strict=True)}
 
     async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, ClaimError | None]:
@@ -170,6 +187,10 @@ class NodePreparer:
         outcomes = await asyncio.gather(
             *(self._run(ref, "unprepare", self._unprepare, report) for ref in claims)
         )
+        if self._on_unprepared is not None:
+            for ref, outcome in zip(claims, outcomes, strict=True):
+                if outcome is None:
+                    self._on_unprepared(ref)
         return {ref.uid: outcome for ref, outcome in zip(claims, outcomes, strict=True)}
 
     async def _run(
@@ -319,7 +340,8 @@ class NodePreparer:
     async def _unprepare(self, ref: ClaimRef) -> None:
         check_ref(ref)
         async with self._locks.hold(ref.uid):
-            record = self._journal.state.claims.get(ref.uid)
+            # Fresh from disk: during a rolling update the other instance may have prepared it.
+            record = (await self._journal.refresh()).claims.get(ref.uid)
             if record is not None:
                 await self._destroy_recorded(ref.uid, record)
             # The spec goes first: as long as it exists, so does the record (see recovery).

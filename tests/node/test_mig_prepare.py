@@ -690,3 +690,17 @@ async def test_many_claims_on_many_gpus_of_a_16_gpu_node(tmp_path: Path) -> None
     assert [[m.placement.start for m in gpu.mig_devices] for gpu in inventory.gpus] == [
         [gpu % 7] for gpu in range(16)
     ]
+
+
+async def test_during_a_rolling_update_the_new_instance_destroys_what_the_old_one_created(node: Node) -> None:
+    # Both plugin instances run; the new one last read the checkpoint before the old one prepared.
+    old = await node.started()
+    new = await node.started()
+    ref = new_ref("rolling")
+    node.allocate(ref, "gpu-0-mig-3g40gb-9-4")
+    assert isinstance((await old.prepare([ref]))[ref.uid], tuple)
+    assert [m.profile for m in node.backend.inventory().gpus[0].mig_devices] == ["3g.40gb"]
+
+    assert await new.unprepare([ref]) == {ref.uid: None}
+    assert node.backend.inventory().gpus[0].mig_devices == ()  # no orphan instance
+    assert ref.uid not in node.on_disk().claims

@@ -1,0 +1,403 @@
+"""Where GPU faults come from: NVML's event stream on a real node, the simulator's state file elsewhere.
+
+A health source watches the node's GPUs and yields the node's faults as a whole
+(:data:`NodeFaults`) at once and again after every change. What the faults mean for the
+published devices (taints, the kubelet's health stream) is decided above this layer.
+
+A fault is one of:
+
+* a critical **Xid** the kernel driver reported for the GPU. Xids that NVIDIA documents as
+  errors of the application, not of the device (13, 31, 43, 45, 68, 109 by default), are
+  ignored: a CUDA program that faults must not take its GPU out of service;
+* a **lost** GPU: NVML answers ``GPU_IS_LOST`` for it (fallen off the bus, or otherwise
+  unreachable);
+* an **unmonitored** GPU: NVML offers no Xid events for it, so its faults go unseen.
+
+A fault keeps the time it was first seen (``since``) for as long as it lasts, so that what
+is published from it does not change while nothing changes on the GPU.
+
+How a fault ends differs by source. The simulator's state file says so (``dra-driver simulate
+recover``). NVML sends no event when a GPU is repaired: a lost GPU counts as recovered, and all
+its faults end, once NVML answers for it again (it was reset or re-attached); an Xid on a GPU
+that was never lost lasts until the plugin restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol
+
+import pynvml
+import structlog
+
+from dra_driver.devices.backend import Backend, DeviceError
+from dra_driver.devices.nvml import NvmlBackend
+from dra_driver.devices.simulated import SimulatedBackend
+
+log = structlog.get_logger(__name__)
+
+# NVIDIA's list of Xids caused by applications (bad memory accesses, exceptions, timeouts of the
+# program's own work): the GPU itself is fine.
+APPLICATION_XIDS = (13, 31, 43, 45, 68, 109)
+# Xids after which the GPU is gone until it is reset: 79, "GPU has fallen off the bus".
+GPU_LOST_XIDS = (79,)
+
+# What the common Xids mean (NVIDIA's Xid catalog), for log lines and health messages.
+XID_MEANINGS = {
+    13: "graphics engine exception",
+    31: "GPU memory page fault",
+    43: "GPU stopped processing",
+    45: "preemptive cleanup, due to previous errors",
+    48: "double-bit ECC error",
+    61: "internal micro-controller breakpoint",
+    62: "internal micro-controller halt",
+    63: "ECC page retirement or row remapping recording event",
+    64: "ECC page retirement or row remapper recording failure",
+    68: "video processor exception",
+    69: "graphics engine class error",
+    74: "NVLink error",
+    79: "GPU has fallen off the bus",
+    92: "high single-bit ECC error rate",
+    94: "contained ECC error",
+    95: "uncontained ECC error",
+    109: "context switch timeout",
+    119: "GSP RPC timeout",
+    120: "GSP error",
+    140: "unrecovered ECC error",
+}
+
+# NVML's "no GPU or compute instance": the event concerns the whole GPU.
+_NO_INSTANCE = 0xFFFFFFFF
+# Events taken from the event set in one go before the loop reports; a flood is drained in
+# batches, so a report is never delayed behind an endless stream.
+_EVENTS_PER_BATCH = 256
+
+
+class FaultKind(StrEnum):
+    XID = "xid"
+    GPU_LOST = "gpu-lost"
+    UNMONITORED = "unmonitored"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One thing wrong with a GPU."""
+
+    kind: FaultKind
+    since: int  # unix seconds when it was first seen; kept while the fault lasts
+    xid: int | None = None  # FaultKind.XID only
+    detail: str = ""  # where or why, e.g. "GPU instance 3"; for people, not for rules
+
+    @property
+    def identity(self) -> tuple[FaultKind, int | None]:
+        """What makes two observations the same fault (one Xid seen twice is one fault)."""
+        return (self.kind, self.xid)
+
+    def describe(self) -> str:
+        if self.kind is FaultKind.XID:
+            meaning = XID_MEANINGS.get(self.xid or 0, "see NVIDIA's Xid catalog")
+            text = f"Xid {self.xid} ({meaning})"
+        elif self.kind is FaultKind.GPU_LOST:
+            text = "GPU lost: NVML cannot reach it"
+        else:
+            text = "not monitored"
+        return f"{text}: {self.detail}" if self.detail else text
+
+
+NodeFaults = Mapping[str, tuple[Fault, ...]]
+"""The faults of the node's GPUs by GPU uuid, oldest first; a healthy GPU has no entry."""
+
+
+def carry_over(previous: NodeFaults, observed: Mapping[str, Sequence[Fault]]) -> dict[str, tuple[Fault, ...]]:
+    """``observed``, where every fault that was already in ``previous`` keeps its first ``since``.
+
+    A fault observed twice (the same Xid again) is kept once. GPUs without faults are dropped.
+    """
+    result: dict[str, tuple[Fault, ...]] = {}
+    for uuid, faults in observed.items():
+        known = {fault.identity: fault for fault in previous.get(uuid, ())}
+        kept: dict[tuple[FaultKind, int | None], Fault] = {}
+        for fault in faults:
+            if fault.identity not in kept:
+                kept[fault.identity] = known.get(fault.identity, fault)
+        if kept:
+            result[uuid] = tuple(sorted(kept.values(), key=lambda f: f.since))
+    return result
+
+
+class HealthSource(Protocol):
+    def watch(self) -> AsyncIterator[NodeFaults]:
+        """The node's faults now, then again after every change; until cancelled.
+
+        Errors while reading are logged and retried: the watch ends only by cancellation.
+        """
+        ...
+
+
+def open_health_source(
+    backend: Backend,
+    *,
+    ignored_xids: Collection[int] = APPLICATION_XIDS,
+    poll_seconds: float = 0.5,
+    clock: Callable[[], float] = time.time,
+) -> HealthSource:
+    """The health source that goes with ``backend``; ``poll_seconds`` is how often it looks."""
+    if isinstance(backend, SimulatedBackend):
+        return SimulatedHealthSource(
+            backend, ignored_xids=ignored_xids, poll_seconds=poll_seconds, clock=clock
+        )
+    if isinstance(backend, NvmlBackend):
+        return NvmlHealthSource(ignored_xids=ignored_xids, poll_seconds=poll_seconds, clock=clock)
+    raise TypeError(f"no health source for the backend {type(backend).__name__}")
+
+
+class _IgnoredXids:
+    """Drops application Xids, logging each one once per GPU so that an operator can see why."""
+
+    def __init__(self, ignored: Collection[int]) -> None:
+        self._ignored = frozenset(ignored)
+        self._logged: set[tuple[str, int]] = set()
+
+    def critical(self, gpu_uuid: str, xid: int) -> bool:
+        if xid not in self._ignored:
+            return True
+        if (gpu_uuid, xid) not in self._logged:
+            self._logged.add((gpu_uuid, xid))
+            log.info(
+                "ignoring an application Xid",
+                gpu=gpu_uuid,
+                xid=xid,
+                meaning=XID_MEANINGS.get(xid, ""),
+                hint="the setting ignored-xids lists the Xids that do not make a GPU unhealthy",
+            )
+        return False
+
+
+class SimulatedHealthSource:
+    """The faults injected into the simulator (``dra-driver simulate xid|recover``), read every period.
+
+    The state file is the simulated hardware, shared with the CLI in another process, so it
+    is simply read again: a few kilobytes, parsed in well under a millisecond.
+    """
+
+    def __init__(
+        self,
+        backend: SimulatedBackend,
+        *,
+        ignored_xids: Collection[int] = APPLICATION_XIDS,
+        poll_seconds: float = 0.5,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._backend = backend
+        self._ignored = _IgnoredXids(ignored_xids)
+        self._poll_seconds = poll_seconds
+        self._clock = clock
+
+    async def watch(self) -> AsyncIterator[NodeFaults]:
+        current: dict[str, tuple[Fault, ...]] | None = None
+        while True:
+            try:
+                injected = await asyncio.to_thread(self._backend.faults)
+            except DeviceError as error:
+                log.warning("reading the simulated GPUs' faults failed; retrying", error=str(error))
+            else:
+                now = int(self._clock())
+                observed = {
+                    uuid: [
+                        Fault(FaultKind.XID, since=now, xid=xid)
+                        for xid in xids
+                        if self._ignored.critical(uuid, xid)
+                    ]
+                    for uuid, xids in injected.items()
+                }
+                latest = carry_over(current or {}, observed)
+                if latest != current:
+                    current = latest
+                    yield latest
+            await asyncio.sleep(self._poll_seconds)
+
+
+@dataclass
+class _Registered:
+    """The GPUs an NVML event set watches: uuid -> device handle, and those it cannot watch."""
+
+    event_set: Any
+    handles: dict[str, Any] = field(default_factory=dict)
+    unmonitored: dict[str, str] = field(default_factory=dict)  # uuid -> why
+
+
+@dataclass(frozen=True)
+class _XidEvent:
+    gpu_uuid: str | None  # None: NVML could not say which GPU (it may be lost)
+    xid: int
+    gpu_instance: int | None
+
+
+class NvmlHealthSource:
+    """Critical Xid events from an NVML event set, and a check for lost GPUs every period.
+
+    The blocking ``nvmlEventSetWait`` runs in a worker thread with a timeout of one period, so
+    an event is reported as soon as it arrives and the loop still wakes up every period to
+    check which GPUs NVML can reach. NVML must already be initialised (by the backend).
+    """
+
+    def __init__(
+        self,
+        *,
+        ignored_xids: Collection[int] = APPLICATION_XIDS,
+        poll_seconds: float = 0.5,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._ignored = _IgnoredXids(ignored_xids)
+        self._timeout_ms = max(1, int(poll_seconds * 1000))
+        self._clock = clock
+
+    async def watch(self) -> AsyncIterator[NodeFaults]:
+        registered = await asyncio.to_thread(self._register)
+        waiting: asyncio.Task[list[_XidEvent]] | None = None
+        xids: dict[str, list[Fault]] = {}
+        current: dict[str, tuple[Fault, ...]] | None = None
+        try:
+            while True:
+                lost = await asyncio.to_thread(self._unreachable, registered)
+                now = int(self._clock())
+                for uuid in set(xids) - lost:
+                    if current and any(f.kind is FaultKind.GPU_LOST for f in current.get(uuid, ())):
+                        log.info("a lost GPU answers again: it was reset; its faults end", gpu=uuid)
+                        del xids[uuid]
+                observed = self._observed(registered, xids, lost, now)
+                latest = carry_over(current or {}, observed)
+                if latest != current:
+                    current = latest
+                    yield latest
+                # Shielded: a cancelled watch must still wait for the thread before freeing the set.
+                waiting = asyncio.ensure_future(asyncio.to_thread(self._next_events, registered))
+                events = await asyncio.shield(waiting)
+                waiting = None
+                for event in events:
+                    self._record(event, registered, xids, now=int(self._clock()))
+        finally:
+            if waiting is not None:
+                with contextlib.suppress(Exception):
+                    await waiting
+            await asyncio.to_thread(_free_event_set, registered.event_set)
+
+    def _observed(
+        self, registered: _Registered, xids: Mapping[str, list[Fault]], lost: Collection[str], now: int
+    ) -> dict[str, list[Fault]]:
+        observed: dict[str, list[Fault]] = {uuid: list(faults) for uuid, faults in xids.items()}
+        for uuid, why in registered.unmonitored.items():
+            observed.setdefault(uuid, []).append(Fault(FaultKind.UNMONITORED, since=now, detail=why))
+        for uuid in lost:
+            observed.setdefault(uuid, []).append(Fault(FaultKind.GPU_LOST, since=now))
+        return observed
+
+    def _record(
+        self, event: _XidEvent, registered: _Registered, xids: dict[str, list[Fault]], *, now: int
+    ) -> None:
+        if event.gpu_uuid is None:
+            log.warning(
+                "an Xid event names a GPU NVML cannot identify; the lost-GPU check will find it",
+                xid=event.xid,
+            )
+            return
+        if event.gpu_uuid not in registered.handles:
+            log.warning(
+                "an Xid event names a GPU the driver does not know", gpu=event.gpu_uuid, xid=event.xid
+            )
+            return
+        if not self._ignored.critical(event.gpu_uuid, event.xid):
+            return
+        known = xids.setdefault(event.gpu_uuid, [])
+        if any(fault.xid == event.xid for fault in known):
+            return  # the same fault again: a flood costs neither memory nor log lines
+        detail = f"GPU instance {event.gpu_instance}" if event.gpu_instance is not None else ""
+        log.warning(
+            "critical Xid on a GPU",
+            gpu=event.gpu_uuid,
+            xid=event.xid,
+            meaning=XID_MEANINGS.get(event.xid, ""),
+            detail=detail,
+        )
+        known.append(Fault(FaultKind.XID, since=now, xid=event.xid, detail=detail))
+
+    # --- in worker threads ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _register() -> _Registered:
+        try:
+            registered = _Registered(event_set=pynvml.nvmlEventSetCreate())
+            count = pynvml.nvmlDeviceGetCount()
+        except pynvml.NVMLError as error:
+            raise DeviceError(f"cannot watch GPU health through NVML: {error}") from error
+        for index in range(count):
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                uuid = pynvml.nvmlDeviceGetUUID(handle)
+            except pynvml.NVMLError as error:
+                log.error("a GPU cannot be watched: NVML does not identify it", index=index, error=str(error))
+                continue
+            registered.handles[uuid] = handle
+            try:
+                supported = pynvml.nvmlDeviceGetSupportedEventTypes(handle)
+                if not supported & pynvml.nvmlEventTypeXidCriticalError:
+                    registered.unmonitored[uuid] = "NVML offers no Xid events for this GPU"
+                    continue
+                pynvml.nvmlDeviceRegisterEvents(
+                    handle, pynvml.nvmlEventTypeXidCriticalError, registered.event_set
+                )
+            except pynvml.NVMLError as error:
+                registered.unmonitored[uuid] = f"registering for Xid events failed: {error}"
+        for uuid, why in registered.unmonitored.items():
+            log.warning("GPU health is not monitored", gpu=uuid, reason=why)
+        return registered
+
+    def _next_events(self, registered: _Registered) -> list[_XidEvent]:
+        """Wait up to one period for events, then take what else is already queued."""
+        events: list[_XidEvent] = []
+        timeout = self._timeout_ms
+        while len(events) < _EVENTS_PER_BATCH:
+            try:
+                data = pynvml.nvmlEventSetWait(registered.event_set, timeout)
+            except pynvml.NVMLError_Timeout:
+                break
+            except pynvml.NVMLError_GpuIsLost:
+                break  # the lost-GPU check that follows finds which one
+            except pynvml.NVMLError as error:
+                log.warning("waiting for NVML events failed; retrying", error=str(error))
+                break
+            timeout = 0
+            if data.eventType != pynvml.nvmlEventTypeXidCriticalError:
+                continue
+            try:
+                uuid: str | None = pynvml.nvmlDeviceGetUUID(data.device)
+            except pynvml.NVMLError:
+                uuid = None
+            gpu_instance = None if data.gpuInstanceId == _NO_INSTANCE else int(data.gpuInstanceId)
+            events.append(_XidEvent(uuid, int(data.eventData), gpu_instance))
+        return events
+
+    @staticmethod
+    def _unreachable(registered: _Registered) -> set[str]:
+        """The GPUs NVML answers ``GPU_IS_LOST`` for."""
+        lost = set()
+        for uuid, handle in registered.handles.items():
+            try:
+                pynvml.nvmlDeviceGetMemoryInfo(handle)
+            except pynvml.NVMLError_GpuIsLost:
+                lost.add(uuid)
+            except pynvml.NVMLError:
+                pass  # an answer, if not a useful one: the GPU is reachable
+        return lost
+
+
+def _free_event_set(event_set: Any) -> None:
+    try:
+        pynvml.nvmlEventSetFree(event_set)
+    except pynvml.NVMLError as error:
+        log.warning("freeing the NVML event set failed", error=str(error))
