@@ -42,7 +42,8 @@ async def running(publisher: SlicePublisher) -> AsyncIterator[None]:
         assert not task.done(), task
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await task
+            async with asyncio.timeout(GUARD_S):  # a publisher that ignores cancellation fails here
+                await task
         assert task.cancelled()
 
 

@@ -122,11 +122,21 @@ class SlicePublisher:
                 self._log.warning(
                     "resourceslice sync failed", error=_describe(error), retry_in_s=round(delay, 2)
                 )
-                await asyncio.sleep(delay)
+                # A new desired state (a taint) is worth a try at once; the backoff still grows.
+                await self._woken_or_after(delay)
                 continue
             backoff.reset()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wakeup.wait(), timeout=self._resync_period)
+            await self._woken_or_after(self._resync_period)
+
+    async def _woken_or_after(self, seconds: float) -> None:
+        """Wait for a wake-up (new desired state, a watch event) or ``seconds``.
+
+        ``asyncio.timeout`` rather than ``wait_for``: on Python 3.11 ``wait_for`` can swallow
+        a cancellation that arrives as the event fires, and a shutdown would then hang.
+        """
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._wakeup.wait()
 
     async def _sync(self) -> None:
         if self._desired is None:
