@@ -45,6 +45,7 @@ from e2e.cluster.controlplane import free_ports
 from e2e.cluster.credentials import write_kubeconfig
 from e2e.daemon import Daemon, wait_until
 from e2e.harness import KubeletHarness
+from e2e.manifests import EXAMPLES, load
 from e2e.workloads import CDI_DEVICES_ANNOTATION, cdi_devices, delete_pod, pod_claim, wait_running
 
 pytestmark = pytest.mark.cluster
@@ -551,11 +552,13 @@ def test_claimed_gpu_is_prepared_with_only_the_charts_permissions(
 def test_pod_asking_for_the_extended_resource_gets_a_gpu_through_dra(
     rest: RestClient, plugin: PluginPod, namespace: str
 ) -> None:
-    limits = {EXTENDED_RESOURCE: "1"}
-    rest.create(
-        f"/api/v1/namespaces/{namespace}/pods",
-        workload_pod("asks-extended-resource", resources={"limits": limits, "requests": limits}),
-    )
+    # The documented example, with the test's own resource name instead of nvidia.com/gpu.
+    (example,) = load(EXAMPLES / "extended-resource.yaml")
+    container = example["spec"]["containers"][0]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    container["resources"]["limits"] = {EXTENDED_RESOURCE: "1"}
+    example["spec"]["nodeSelector"] = {"kubernetes.io/hostname": NODE}
+    rest.create(f"/api/v1/namespaces/{namespace}/pods", example)
 
     pod = wait_running(rest, namespace, "asks-extended-resource")
 
