@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import pytest
@@ -16,6 +16,7 @@ from dra_driver.resources.devices import build_devices
 from dra_driver.resources.publisher import SlicePublisher
 from dra_driver.resources.slices import SliceContent, split_pool
 from dra_driver.resources.wire import DeviceTaint
+from tests.background import running
 from tests.resources.factories import DRIVER, a100_40gb, h100, inventory, mig_device, with_mig_devices
 
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
@@ -30,21 +31,6 @@ def aio_client(server: str, token: str, ca_file: str | None) -> ApiClient:
         ssl_ca_cert=ca_file,
     )
     return ApiClient(configuration)
-
-
-@contextlib.asynccontextmanager
-async def running(publisher: SlicePublisher) -> AsyncIterator[None]:
-    """Runs the publisher for the duration; it must still be running (not crashed) at the end."""
-    task = asyncio.create_task(publisher.run())
-    try:
-        yield
-    finally:
-        assert not task.done(), task
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            async with asyncio.timeout(GUARD_S):  # a publisher that ignores cancellation fails here
-                await task
-        assert task.cancelled()
 
 
 def pool(rest: Any, node: str) -> list[dict[str, Any]]:
@@ -70,7 +56,7 @@ async def test_partitioned_gpus_are_stored_exactly_as_published(cluster: Any, re
     async with aio_client(cluster.server, cluster.admin_token, str(cluster.ca_file)) as client:
         publisher = SlicePublisher(client, driver=DRIVER, node_name=name, node_uid=uid)
         publisher.set_desired(desired)
-        async with running(publisher):
+        async with running(publisher.run):
             await asyncio.wait_for(publisher.wait_synced(), GUARD_S)
             assert publisher.published_devices == 52
 
@@ -102,7 +88,7 @@ async def test_every_kind_of_device_passes_api_validation_unchanged(
     async with aio_client(cluster.server, cluster.admin_token, str(cluster.ca_file)) as client:
         publisher = SlicePublisher(client, driver=DRIVER, node_name=name, node_uid=node.metadata.uid)
         publisher.set_desired(desired)
-        async with running(publisher):
+        async with running(publisher.run):
             await asyncio.wait_for(publisher.wait_synced(), GUARD_S)
 
     stored = pool(rest, name)
@@ -130,7 +116,7 @@ async def test_slices_deleted_by_the_kubelet_come_back_through_the_watch(
             client, driver=DRIVER, node_name=name, node_uid=node.metadata.uid, resync_period=3600
         )
         publisher.set_desired(partitioned(0))
-        async with running(publisher):
+        async with running(publisher.run):
             await asyncio.wait_for(publisher.wait_synced(), GUARD_S)
             for item in pool(rest, name):  # what the kubelet does at its start
                 rest.delete(f"{SLICES}/{item['metadata']['name']}")
@@ -153,7 +139,7 @@ async def test_a_shrinking_node_loses_its_obsolete_slices_at_a_new_generation(
     async with aio_client(cluster.server, cluster.admin_token, str(cluster.ca_file)) as client:
         publisher = SlicePublisher(client, driver=DRIVER, node_name=name, node_uid=node.metadata.uid)
         publisher.set_desired(partitioned(0, 1, 2, 3))
-        async with running(publisher):
+        async with running(publisher.run):
             await asyncio.wait_for(publisher.wait_synced(), GUARD_S)
             assert len(pool(rest, name)) == 3
             publisher.set_desired(partitioned(0))
@@ -205,7 +191,7 @@ async def test_an_unreachable_api_server_is_retried_and_never_crashes_the_publis
         publisher.set_desired(partitioned(0))
         waiter = LogWaiter("resourceslice sync failed", count=3)
         with logging_to(waiter):
-            async with running(publisher):
+            async with running(publisher.run):
                 await asyncio.wait_for(waiter.reached.wait(), GUARD_S)
                 assert not publisher.synced
         assert "resourceslice watch failed" in waiter.events

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from dra_driver.devices.health import Fault, FaultKind, NodeFaults
 from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import Inventory
 from dra_driver.resources.taints import TaintPolicy
+from tests.background import running
 
 GUARD_S = 30  # against a hang only
 INVENTORY: Inventory = SimulatedBackend("dgx-h100", "node-1", Path("/nonexistent")).inventory()
@@ -55,18 +55,6 @@ def make_watch(source: QueueSource, republishes: Republishes, **policy: bool) ->
     return watch
 
 
-@contextlib.asynccontextmanager
-async def running(watch: HealthWatch) -> AsyncIterator[None]:
-    task = asyncio.create_task(watch.run())
-    try:
-        yield
-    finally:
-        assert not task.done(), task
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
 async def test_the_first_report_is_applied_before_anything_is_published() -> None:
     source, republishes = QueueSource(), Republishes()
     watch = make_watch(source, republishes)
@@ -81,7 +69,7 @@ async def test_a_flood_of_reports_is_a_few_republishes_ending_in_the_latest_stat
     watch = make_watch(source, republishes)
     source.reports.put_nowait({})
     await watch.start()
-    async with running(watch):
+    async with running(watch.run):
         for number in range(1, 501):
             source.reports.put_nowait({GPU_0: (xid(number),)})
         final = {GPU_0: (xid(500),), GPU_1: (xid(48),)}
@@ -98,7 +86,7 @@ async def test_repeating_the_same_faults_republishes_nothing() -> None:
     source.reports.put_nowait({GPU_0: (xid(79),)})
     await watch.start()
     republishes.happened.clear()
-    async with running(watch):
+    async with running(watch.run):
         source.reports.put_nowait({GPU_0: (xid(79),)})
         source.reports.put_nowait({GPU_0: (xid(79),), GPU_1: (xid(48),)})
         await asyncio.wait_for(republishes.happened.wait(), GUARD_S)
@@ -111,7 +99,7 @@ async def test_taints_can_outlive_the_fault_while_the_faults_follow_the_gpu() ->
     source.reports.put_nowait({GPU_0: (xid(79),)})
     await watch.start()
     republishes.happened.clear()
-    async with running(watch):
+    async with running(watch.run):
         source.reports.put_nowait({})
         await asyncio.wait_for(republishes.happened.wait(), GUARD_S)
     assert watch.faults == {}
@@ -125,7 +113,7 @@ async def test_faults_of_a_gpu_the_node_does_not_have_are_logged_once() -> None:
         source.reports.put_nowait({"GPU-elsewhere": (xid(79),)})
         await watch.start()
         republishes.happened.clear()
-        async with running(watch):
+        async with running(watch.run):
             source.reports.put_nowait({"GPU-elsewhere": (xid(79),), GPU_0: (xid(48),)})
             await asyncio.wait_for(republishes.happened.wait(), GUARD_S)
     unknown = [entry for entry in logs if entry["event"].startswith("faults reported for GPUs the node")]

@@ -7,8 +7,6 @@ stand-in here, and the real one in e2e/test_claim_status.py.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -22,6 +20,7 @@ from dra_driver.node.claim_status import (
     hardware_of,
 )
 from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice
+from tests.background import running
 
 from .builders import DRIVER, NODE, Node, new_ref
 
@@ -65,18 +64,6 @@ class Health:
         self.faults: NodeFaults = {}
 
 
-@contextlib.asynccontextmanager
-async def running(writer: ClaimStatusWriter) -> AsyncIterator[None]:
-    task = asyncio.create_task(writer.run())
-    try:
-        yield
-    finally:
-        assert not task.done(), task
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
 def make_writer(node: Node, api: RecordingApi, health: Health, clock: Clock) -> ClaimStatusWriter:
     return ClaimStatusWriter(
         api,
@@ -105,7 +92,7 @@ async def test_a_prepared_claim_gets_its_gpus_uuid_and_health_in_its_status(node
     preparer = await node.started(on_prepared=writer.prepared, on_unprepared=writer.unprepared)
     ref = new_ref()
     node.allocate(ref, "gpu-1")
-    async with running(writer):
+    async with running(writer.run):
         outcome = await preparer.prepare([ref])
         assert not isinstance(outcome[ref.uid], ClaimError)
         written_for, devices = await api.next_write()
@@ -132,7 +119,7 @@ async def test_a_mig_device_is_named_with_its_parent_gpu(node: Node) -> None:
     preparer = await node.started(on_prepared=writer.prepared)
     ref = new_ref()
     node.allocate(ref, "gpu-0-mig-1g10gb-19-3")
-    async with running(writer):
+    async with running(writer.run):
         await preparer.prepare([ref])
         _, devices = await api.next_write()
 
@@ -149,7 +136,7 @@ async def test_a_health_change_is_written_again_and_only_then(node: Node) -> Non
     node.allocate(ref, "gpu-2")
     node.allocate(other, "gpu-3")
     gpu_2 = node.backend.inventory().gpus[2]
-    async with running(writer):
+    async with running(writer.run):
         await preparer.prepare([ref, other])
         while len(api.applied) < 2:
             await api.next_write()
@@ -188,7 +175,7 @@ async def test_failed_writes_are_retried_and_a_vanished_claim_is_given_up(node: 
     ref, gone = new_ref("a"), new_ref("gone")
     node.allocate(ref, "gpu-1")
     api.failures = [StatusWriteError(0, "connection refused"), StatusWriteError(503, "unavailable")]
-    async with running(writer):
+    async with running(writer.run):
         await preparer.prepare([ref])
         written_for, _ = await api.next_write()
         assert written_for == ref
