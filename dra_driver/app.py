@@ -57,6 +57,10 @@ from dra_driver.settings import Settings, TaintsOnRecovery, xid_numbers
 log = structlog.get_logger("dra_driver.app")
 
 CHECKPOINT_FILE = "checkpoint.json"
+# How long shutdown waits for claim operations the kubelet no longer waits for (a MIG device
+# being created, a claim being read): with the DRA socket's 5 s grace this stays within the
+# pod's default 30 s termination grace period, before the backend and the API client close.
+DRAIN_SECONDS = 20.0
 
 
 def partition_policy(setting: str) -> PartitionPolicy:
@@ -397,6 +401,7 @@ async def _serve(
     finally:
         log.info("shutting down")
         await plugin.stop()
+        await preparer.drain(DRAIN_SECONDS)  # before run_plugin closes the backend and the API client
         for task in tasks:
             task.cancel()
         for task in tasks:

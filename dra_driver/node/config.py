@@ -24,7 +24,9 @@ overrides an earlier one, and a config applies to the requests it names or to al
 requests when it names none. A config naming a ``firstAvailable`` request ``req``
 also applies to the results of its subrequests ``req/sub``. A config applies only to
 devices of its own kind (GpuConfig to GPUs, MigDeviceConfig to MIG devices), so one
-class config per kind can sit side by side.
+class config per kind can sit side by side; a claim config that names a request whose
+results are all of the other kind is refused rather than ignored (see
+:mod:`dra_driver.node.plan`).
 
 What prepare does with the settings (validate, record, announce as env; it does not
 reconfigure the GPU) is described in :mod:`dra_driver.node.plan`. NVIDIA's config API

@@ -47,7 +47,7 @@ its client limits from these variables (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
@@ -61,7 +61,13 @@ from dra_driver.cdi.spec import (
     uuid_env_name,
 )
 from dra_driver.devices.types import DeviceNode, Gpu, Inventory, MigDevice, MigProfile, Placement
-from dra_driver.node.claims import AllocatedClaim, AllocationResult, ClaimRejected
+from dra_driver.node.claims import (
+    AllocatedClaim,
+    AllocationResult,
+    ClaimRejected,
+    ConfigSource,
+    OpaqueConfig,
+)
 from dra_driver.node.config import (
     DEFAULT_GPU_CONFIG,
     DEFAULT_MIG_CONFIG,
@@ -195,6 +201,7 @@ def plan_claim(
         decoded = [(entry, decode_config(entry)) for entry in claim.configs]
     except ConfigError as error:
         raise ClaimRejected(str(error)) from None
+    _check_config_kinds(decoded, claim.results, targets)
     gpu_results = [r for r in claim.results if not targets[r].is_mig]
     mig_results = [r for r in claim.results if targets[r].is_mig]
     configs: dict[AllocationResult, DeviceConfig] = {
@@ -216,6 +223,50 @@ def plan_claim(
     if not plan.to_create:
         plan.cdi_spec  # noqa: B018 -- built now, so that a spec no runtime would accept rejects the claim
     return plan
+
+
+def _check_config_kinds(
+    decoded: Sequence[tuple[OpaqueConfig, DeviceConfig]],
+    results: Sequence[AllocationResult],
+    targets: Mapping[AllocationResult, Target],
+) -> None:
+    """Refuse a claim config naming a request whose devices are all of the other kind.
+
+    A config applies only to devices of its own kind (:mod:`dra_driver.node.config`), so without
+    this check a ``GpuConfig`` naming a request that got MIG devices would be dropped unseen.
+    The rule: a ``FromClaim`` config that names requests is an error when one of them got
+    devices here under exactly that name and none of them is of the config's kind. Not errors:
+
+    * a config naming no request: it is for all devices of its kind, and the claim may hold both;
+    * a class config: the scheduler names for it every request allocated from the class, and a
+      class may carry one config per kind side by side;
+    * a config naming a ``firstAvailable`` parent ``req``: its results are named ``req/sub``, and
+      a config per kind for whichever alternative wins is how such a request is configured (the
+      alternatives may differ in kind; the claim's spec, which says so, is not read here). A
+      config naming the subrequest ``req/sub`` itself is checked;
+    * a named request without results here (another driver's, or an alternative not chosen).
+    """
+    problems: list[str] = []
+    for entry, config in decoded:
+        if entry.source is not ConfigSource.FROM_CLAIM:
+            continue
+        for_mig = isinstance(config, MigDeviceConfig)
+        for request in entry.requests:
+            served = [r for r in results if r.request == request]
+            if not served or any(targets[r].is_mig == for_mig for r in served):
+                continue
+            wanted, other, fix = (
+                ("MIG devices", "full GPU", "GpuConfig")
+                if for_mig
+                else ("full GPUs", "MIG device", "MigDeviceConfig")
+            )
+            got = f"{other}{'s' if len(served) > 1 else ''} {', '.join(r.device for r in served)}"
+            problems.append(
+                f"{entry.describe()}: {config.kind} applies to {wanted}, but request {request} was "
+                f"allocated {got}; use {fix}"
+            )
+    if problems:
+        raise ClaimRejected("; ".join(problems))
 
 
 def _resolve(

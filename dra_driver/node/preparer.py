@@ -19,8 +19,9 @@ device delays or fails only its own claim, and their checkpoint writes share fsy
 (:mod:`dra_driver.node.journal`). Work on one claim is serialized by a per-claim
 lock (the kubelet may retry a claim while the first attempt still runs), and
 continues when the kubelet gives up waiting (its 45 s timeout cancels the RPC): the
-retry then finds it done. A step that fails undoes the claim's earlier steps, so a
-failed prepare leaves no spec, no record and no MIG device; if even the undo fails,
+retry then finds it done, and shutdown waits for it (:meth:`NodePreparer.drain`). A
+step that fails undoes the claim's earlier steps, so a failed prepare leaves no spec,
+no record and no MIG device; if even the undo fails,
 the record stays PrepareStarted, keeps the devices reserved, and the next prepare
 or unprepare of the claim takes it over.
 
@@ -35,9 +36,9 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
@@ -132,6 +133,7 @@ class NodePreparer:
         self._journal = Journal(checkpoint_path)
         self._locks = _ClaimLocks()
         self._partitioner = Partitioner(backend, on_inventory_changed)
+        self._in_flight: set[asyncio.Task[Any]] = set()  # claim operations still running
 
     async def start(self) -> None:
         """Load the checkpoint (repairing it after a reboot, damage or a crash); call once before serving."""
@@ -173,6 +175,25 @@ class NodePreparer:
             if device.mig is not None and device.mig.uuid is not None
         }
 
+    async def drain(self, grace: float) -> None:
+        """Wait up to ``grace`` seconds for the claim operations still running; call once no RPC comes.
+
+        They are shielded from their RPC's cancellation, so they outlive the kubelet sockets:
+        closing the backend or the API client under one would break it between a MIG device
+        created and its uuid recorded. What is still running after ``grace`` is logged and left
+        to the checkpoint's recovery at the next start, which takes over or undoes it.
+        """
+        if not self._in_flight:
+            return
+        log.info("waiting for claim operations to finish", operations=len(self._in_flight))
+        _, running = await asyncio.wait(set(self._in_flight), timeout=grace)
+        if running:
+            log.warning(
+                "claim operations still running at shutdown; the next start of the plugin recovers them",
+                operations=sorted(task.get_name() for task in running),
+                waited_seconds=grace,
+            )
+
     async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareOutcome]:
         report = self._observer.prepare_done if self._observer else None
         outcomes = await asyncio.gather(*(self._run(ref, "prepare", self._prepare, report) for ref in claims))
@@ -197,7 +218,7 @@ class NodePreparer:
         self,
         ref: ClaimRef,
         operation: str,
-        step: Callable[[ClaimRef], Awaitable[_T]],
+        step: Callable[[ClaimRef], Coroutine[Any, Any, _T]],
         report: Callable[[float, bool], None] | None,
     ) -> _T | ClaimError:
         """Run one claim's operation to completion with the claim in every log line; never raises."""
@@ -205,9 +226,13 @@ class NodePreparer:
         with structlog.contextvars.bound_contextvars(
             claim_namespace=ref.namespace, claim_name=ref.name, claim_uid=ref.uid
         ):
+            # A task of its own, shielded: a cancelled RPC must not stop a claim half-way between
+            # its steps. It is tracked so that shutdown can wait for it (drain).
+            work = asyncio.create_task(step(ref), name=f"{operation} {ref.namespace}/{ref.name} ({ref.uid})")
+            self._in_flight.add(work)
+            work.add_done_callback(self._in_flight.discard)
             try:
-                # Shielded: a cancelled RPC must not stop a claim half-way between its steps.
-                outcome: _T | ClaimError = await asyncio.shield(step(ref))
+                outcome: _T | ClaimError = await asyncio.shield(work)
             except _CLAIM_ERRORS as error:
                 log.warning(f"{operation} failed", error=str(error))
                 outcome = ClaimError(str(error))

@@ -143,3 +143,116 @@ def test_invalid_config_for_our_driver_rejects_the_claim(node: Node) -> None:
             [result("gpu-0")],
             [opaque({"x": 1}, driver="other.example.com"), opaque(gpu_config({"strategy": 1}))],
         )
+
+
+# --- configs of the wrong kind ---------------------------------------------------------------------------
+
+MIG_1G = "gpu-0-mig-1g10gb-19-0"  # a 1g.10gb placement on the first H100, created at prepare
+
+
+def mig_config(sharing: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {**gpu_config(sharing), "kind": "MigDeviceConfig"}
+
+
+@pytest.mark.parametrize(
+    ("results", "config", "complaint"),
+    [
+        (
+            [result(MIG_1G, "gpu")],
+            opaque(gpu_config({"strategy": "TimeSlicing"}), requests=["gpu"]),
+            f"config[0] (FromClaim, requests [gpu]): GpuConfig applies to full GPUs, but request gpu was "
+            f"allocated MIG device {MIG_1G}; use MigDeviceConfig",
+        ),
+        (
+            [result("gpu-0", "infer"), result("gpu-1", "infer")],
+            opaque(mig_config({"strategy": "MPS"}), requests=["infer"]),
+            "config[0] (FromClaim, requests [infer]): MigDeviceConfig applies to MIG devices, but request "
+            "infer was allocated full GPUs gpu-0, gpu-1; use GpuConfig",
+        ),
+        (  # one named request is served, the other is not
+            [result("gpu-2", "train"), result(MIG_1G, "infer")],
+            opaque(gpu_config(), requests=["train", "infer"]),
+            "config[0] (FromClaim, requests [train, infer]): GpuConfig applies to full GPUs, but request "
+            f"infer was allocated MIG device {MIG_1G}; use MigDeviceConfig",
+        ),
+        (  # a subrequest named itself is checked like any request
+            [result(MIG_1G, "gpu/small")],
+            opaque(gpu_config(), requests=["gpu/small"]),
+            "config[0] (FromClaim, requests [gpu/small]): GpuConfig applies to full GPUs, but request "
+            f"gpu/small was allocated MIG device {MIG_1G}",
+        ),
+    ],
+)
+def test_claim_config_naming_a_request_of_the_other_kind_rejects_the_claim(
+    node: Node, results: list[dict[str, Any]], config: dict[str, Any], complaint: str
+) -> None:
+    with pytest.raises(ClaimRejected, match=re.escape(complaint)):
+        plan(node, results, [config])
+
+
+def test_every_config_of_the_wrong_kind_is_named_at_once(node: Node) -> None:
+    with pytest.raises(ClaimRejected) as rejected:
+        plan(
+            node,
+            [result("gpu-2", "train"), result(MIG_1G, "infer")],
+            [opaque(mig_config(), requests=["train"]), opaque(gpu_config(), requests=["infer"])],
+        )
+
+    assert str(rejected.value).startswith("config[0] (FromClaim, requests [train]): MigDeviceConfig")
+    assert "; config[1] (FromClaim, requests [infer]): GpuConfig" in str(rejected.value)
+
+
+def test_config_naming_no_request_applies_to_its_kind_in_a_mixed_claim(node: Node) -> None:
+    planned = plan(
+        node,
+        [result("gpu-2", "train"), result(MIG_1G, "infer")],
+        [opaque(gpu_config({"strategy": "TimeSlicing"}))],
+    )
+
+    assert [(d.config.kind, d.config.sharing.strategy) for d in planned.devices] == [
+        ("GpuConfig", "TimeSlicing"),
+        ("MigDeviceConfig", "Exclusive"),
+    ]
+
+
+def test_class_configs_of_both_kinds_sit_side_by_side(node: Node) -> None:
+    # The scheduler names, for each class config, the requests allocated from the class.
+    planned = plan(
+        node,
+        [result(MIG_1G, "infer")],
+        [
+            opaque(gpu_config({"strategy": "TimeSlicing"}), source="FromClass", requests=["infer"]),
+            opaque(mig_config({"strategy": "MPS"}), source="FromClass", requests=["infer"]),
+        ],
+    )
+
+    assert planned.devices[0].config.kind == "MigDeviceConfig"
+    assert planned.devices[0].config.sharing.strategy == "MPS"
+
+
+@pytest.mark.parametrize(
+    ("chosen", "kind", "strategy"),
+    [("gpu/whole", "GpuConfig", "TimeSlicing"), ("gpu/small", "MigDeviceConfig", "MPS")],
+)
+def test_configs_per_kind_for_a_first_available_parent_apply_to_whichever_alternative_won(
+    node: Node, chosen: str, kind: str, strategy: str
+) -> None:
+    device = "gpu-2" if chosen == "gpu/whole" else MIG_1G
+    planned = plan(
+        node,
+        [result(device, chosen)],
+        [
+            opaque(gpu_config({"strategy": "TimeSlicing"}), requests=["gpu"]),
+            opaque(mig_config({"strategy": "MPS"}), requests=["gpu"]),
+        ],
+    )
+
+    assert (planned.devices[0].config.kind, planned.devices[0].config.sharing.strategy) == (kind, strategy)
+
+
+def test_config_of_one_kind_for_a_first_available_parent_is_no_error_when_the_other_kind_won(
+    node: Node,
+) -> None:
+    planned = plan(node, [result(MIG_1G, "gpu/small")], [opaque(gpu_config(), requests=["gpu"])])
+
+    assert planned.devices[0].config.kind == "MigDeviceConfig"

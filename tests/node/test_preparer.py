@@ -339,6 +339,69 @@ async def test_kubelet_retry_during_a_prepare_waits_for_it(node: Node) -> None:
     assert node.on_disk().claims[ref.uid].phase == "PrepareCompleted"
 
 
+class GatedClaims:
+    """The node's claims, each GET held until ``gate`` opens: a slow API server."""
+
+    def __init__(self, node: Node) -> None:
+        self._claims = node.claims
+        self.gate = asyncio.Event()
+        self.fetching = asyncio.Event()
+
+    async def get(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+        self.fetching.set()
+        await self.gate.wait()
+        return await self._claims.get(namespace, name)
+
+
+async def test_drain_waits_for_a_prepare_the_kubelet_gave_up_on(node: Node) -> None:
+    claims = GatedClaims(node)
+    preparer = await node.started(claims)
+    ref = new_ref()
+    node.allocate(ref, "gpu-0")
+    rpc = asyncio.create_task(preparer.prepare([ref]))
+    await claims.fetching.wait()
+    rpc.cancel()  # the plugin's server stops, cancelling the RPC
+
+    draining = asyncio.create_task(preparer.drain(grace=60))
+    claims.gate.set()
+    await draining
+
+    with pytest.raises(asyncio.CancelledError):
+        await rpc
+    assert node.on_disk().claims[ref.uid].phase == "PrepareCompleted"
+    assert spec_devices(node.specs.path_for(ref.uid)) == [f"{ref.uid}-gpu-0"]
+
+
+async def test_drain_gives_up_after_the_timeout_and_names_what_still_runs(node: Node) -> None:
+    claims = GatedClaims(node)
+    preparer = await node.started(claims)
+    ref = new_ref("stuck")
+    node.allocate(ref, "gpu-0")
+    rpc = asyncio.create_task(preparer.prepare([ref]))
+    await claims.fetching.wait()
+
+    with structlog.testing.capture_logs() as logs:
+        await preparer.drain(grace=0.01)  # the GET never answers
+
+    warnings = [entry for entry in logs if entry["log_level"] == "warning"]
+    assert [entry["operations"] for entry in warnings] == [[f"prepare default/stuck ({ref.uid})"]]
+    assert not rpc.done()
+    claims.gate.set()  # let it finish, so that the test leaves nothing running
+    assert devices_of((await rpc)[ref.uid])[0].device == "gpu-0"
+
+
+async def test_drain_without_claim_operations_returns_at_once(node: Node) -> None:
+    preparer = await node.started()
+    ref = new_ref()
+    node.allocate(ref, "gpu-0")
+    await preparer.prepare([ref])
+
+    with structlog.testing.capture_logs() as logs:
+        await preparer.drain(grace=60)
+
+    assert logs == []
+
+
 async def test_two_plugin_instances_keep_each_others_claims(node: Node) -> None:
     old, new = await node.started(), await node.started()  # a rolling update
     a, b, c, clash = new_ref("a"), new_ref("b"), new_ref("c"), new_ref("clash")
