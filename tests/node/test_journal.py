@@ -168,6 +168,45 @@ async def test_a_cancelled_waiter_does_not_undo_its_mutation(tmp_path: Path) -> 
     assert set(ckpt.decode((tmp_path / "checkpoint.json").read_bytes()).claims) == {"u1", "u2"}
 
 
+async def test_refreshes_racing_commits_lose_no_update(tmp_path: Path) -> None:
+    """An 8-claim pod prepared and unprepared as the preparer does it, many times over.
+
+    Unprepare reads the file (``refresh``) before each release, while the releases of the
+    pod's other claims are being written. A read must never pair the new file with the old
+    state: the released claims would come back, and the next write would put them on disk.
+    """
+    path = tmp_path / "checkpoint.json"
+    journal = await opened(path)
+    claims = 8
+
+    async def prepare(round_: int, i: int) -> None:
+        attempt = f"r{round_}-{i}"
+        await journal.commit(Reserve(f"u{i}", record(attempt, f"gpu-{i}")))
+        await journal.commit(Complete(f"u{i}", record(attempt, f"gpu-{i}", phase="PrepareCompleted")))
+
+    async def unprepare(i: int) -> None:
+        await journal.refresh()
+        await journal.commit(Release(f"u{i}"))
+
+    for round_ in range(150):
+        await asyncio.gather(*(prepare(round_, i) for i in range(claims)))
+        assert len(journal.state.claims) == claims
+        await asyncio.gather(*(unprepare(i) for i in range(claims)))
+        assert journal.state.claims == {}, f"round {round_}: released claims came back"
+        assert claim_ids(path) == set(), f"round {round_}: released claims are on disk"
+
+
+async def test_refresh_sees_the_commits_queued_before_it(tmp_path: Path) -> None:
+    journal = await opened(tmp_path / "checkpoint.json")
+
+    reserving = asyncio.ensure_future(journal.commit(Reserve("u1", record("a1", "gpu-0"))))
+    await asyncio.sleep(0)  # let it queue its mutation
+    seen = await journal.refresh()
+
+    assert reserving.done()
+    assert set(seen.claims) == {"u1"}
+
+
 OTHER_INSTANCE = """
 import asyncio, sys
 from pathlib import Path
