@@ -40,7 +40,12 @@ from pathlib import Path
 import structlog
 
 from dra_driver.node import checkpoint as ckpt
-from dra_driver.node.checkpoint import Checkpoint, CheckpointUnreadable, LoadedCheckpoint
+from dra_driver.node.checkpoint import (
+    Checkpoint,
+    CheckpointFromNewerDriver,
+    CheckpointUnreadable,
+    LoadedCheckpoint,
+)
 from dra_driver.node.state import Mutation, MutationRejected, apply
 
 log = structlog.get_logger(__name__)
@@ -90,6 +95,7 @@ class Journal:
 
     def _open(self, boot_id: str, repair: Callable[[LoadedCheckpoint], Checkpoint]) -> None:
         with self._locked():
+            ckpt.remove_leftover_temps(self.path)  # only lock holders write it: none is in progress
             loaded = ckpt.load(self.path, boot_id)
             state = repair(loaded)
             if state != loaded.checkpoint or loaded.stale or loaded.moved_aside or not self.path.exists():
@@ -167,6 +173,9 @@ class Journal:
             return mine, data
         try:
             theirs = ckpt.decode(data)
+        except CheckpointFromNewerDriver as error:
+            # A newer driver (an upgrade next to this instance) owns the file now: never overwrite it.
+            raise CheckpointFromNewerDriver(f"checkpoint {self.path}: {error}") from None
         except CheckpointUnreadable as error:
             log.error(
                 "checkpoint written by another instance is unreadable; overwriting it from memory",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -205,6 +207,29 @@ async def test_refresh_sees_the_commits_queued_before_it(tmp_path: Path) -> None
 
     assert reserving.done()
     assert set(seen.claims) == {"u1"}
+
+
+async def test_a_file_written_by_a_newer_driver_is_never_overwritten(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.json"
+    journal = await opened(path)
+    await journal.commit(Reserve("u1", record("a1", "gpu-0")))
+    newer = json.dumps({"schemaVersion": ckpt.SCHEMA_VERSION + 1, "checksum": "sha256:x", "payload": {}})
+    path.write_text(newer)  # the upgraded instance of a rolling update wrote it
+
+    with pytest.raises(CheckpointWriteError, match="written by a newer version of the driver"):
+        await journal.commit(Reserve("u2", record("a2", "gpu-1")))
+
+    assert path.read_text() == newer
+
+
+async def test_opening_removes_temporary_files_of_interrupted_writes(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.json"
+    ckpt.write(path, Checkpoint(boot_id=BOOT))
+    (tmp_path / ".checkpoint.json.k2j3.tmp").write_text("{torn")
+
+    await opened(path)
+
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint.json", "checkpoint.json.lock"]
 
 
 OTHER_INSTANCE = """
