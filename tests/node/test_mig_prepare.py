@@ -23,6 +23,7 @@ from dra_driver.app import desired_slices
 from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import Inventory, MigDevice, Placement
 from dra_driver.node import checkpoint as ckpt
+from dra_driver.node import checkpoint_log as ckpt_log
 from dra_driver.node.checkpoint import ClaimRecord, DeviceRecord, MigRecord
 from dra_driver.node.config import API_VERSION
 from dra_driver.node.preparer import NodePreparer
@@ -488,14 +489,14 @@ async def test_a_failed_checkpoint_write_after_the_create_destroys_the_device(
     preparer = await node.started()
     ref = new_ref()
     node.allocate(ref, "gpu-1-mig-1g10gb-19-5")
-    real_write = ckpt.write
+    real_append = ckpt_log.append
 
-    def failing_once_a_mig_uuid_is_in_it(path: Path, checkpoint: ckpt.Checkpoint) -> bytes:
-        if any(d.mig and d.mig.uuid for r in checkpoint.claims.values() for d in r.devices):
+    def failing_once_a_mig_uuid_is_in_it(path: Path, data: bytes, at: int) -> int:
+        if b'"uuid":"MIG-' in data:
             raise OSError(5, "Input/output error")
-        return real_write(path, checkpoint)
+        return real_append(path, data, at)
 
-    monkeypatch.setattr(ckpt, "write", failing_once_a_mig_uuid_is_in_it)
+    monkeypatch.setattr(ckpt_log, "append", failing_once_a_mig_uuid_is_in_it)
 
     assert "Input/output error" in error_of((await preparer.prepare([ref]))[ref.uid])
     assert live_migs(node, 1) == []
