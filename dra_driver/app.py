@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import os
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from pathlib import Path
 
 import structlog
 from kubernetes.aio import client as kube_client
@@ -27,9 +31,11 @@ from dra_driver.devices.backends import open_backend
 from dra_driver.devices.driver_root import find_driver_files
 from dra_driver.devices.health import HealthSource, NodeFaults, open_health_source
 from dra_driver.devices.types import HealthState, Inventory
+from dra_driver.errors import StartupError
 from dra_driver.http import StatusServer
 from dra_driver.kubelet.health import HealthBoard
 from dra_driver.kubelet.server import KubeletPlugin
+from dra_driver.kubelet.sockets import KubeletSocketError, check_socket_path, socket_paths
 from dra_driver.metrics import Metrics
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
 from dra_driver.node.claim_status import ApiServerClaimStatus, ClaimStatusWriter
@@ -52,7 +58,7 @@ from dra_driver.resources.taints import (
     unknown_gpus,
 )
 from dra_driver.resources.wire import DeviceTaint
-from dra_driver.settings import Settings, TaintsOnRecovery, xid_numbers
+from dra_driver.settings import Settings, TaintsOnRecovery, partition_gpus, xid_numbers
 
 log = structlog.get_logger("dra_driver.app")
 
@@ -69,7 +75,22 @@ def partition_policy(setting: str) -> PartitionPolicy:
         return partition_all
     if setting == "none":
         return partition_none
-    return partition_selected([part.strip() for part in setting.split(",") if part.strip()])
+    return partition_selected(partition_gpus(setting))
+
+
+def check_mig_partitions(settings: Settings, inventory: Inventory) -> None:
+    """Refuse a ``--mig-partitions`` list naming a GPU the node lacks: a typo would silently offer none."""
+    if settings.mig_partitions in {"all", "none"}:
+        return
+    known = {str(gpu.minor) for gpu in inventory.gpus} | {gpu.uuid for gpu in inventory.gpus}
+    missing = [gpu for gpu in partition_gpus(settings.mig_partitions) if gpu not in known]
+    if missing:
+        minors = ", ".join(str(gpu.minor) for gpu in sorted(inventory.gpus, key=lambda g: g.minor))
+        raise StartupError(
+            f"--mig-partitions / DRA_MIG_PARTITIONS names {', '.join(missing)}, which node "
+            f"{settings.node_name or '(unnamed)'} does not have; its GPUs are the minor numbers "
+            f"{minors or '(none)'} or their UUIDs (`dra-driver inventory` lists them); or use all or none"
+        )
 
 
 def desired_slices(
@@ -115,14 +136,47 @@ def edits_for(settings: Settings, inventory: Inventory) -> CommonEdits:
 
 
 async def api_client(settings: Settings) -> kube_client.ApiClient:
+    """A client of the API server: from the kubeconfig if one is set, else the pod's service account.
+
+    Only the configuration is read here; StartupError says what is wrong with it.
+    """
     configuration = kube_client.Configuration()
     if settings.kubeconfig is not None:
-        await kube_config.load_kube_config(  # type: ignore[no-untyped-call]
-            config_file=str(settings.kubeconfig), client_configuration=configuration
-        )
+        await _load_kubeconfig(settings.kubeconfig, configuration)
     else:
-        kube_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        try:
+            kube_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        except kube_config.ConfigException as err:
+            outside = "KUBERNETES_SERVICE_HOST" not in os.environ
+            raise StartupError(
+                "no --kubeconfig / DRA_KUBECONFIG is set and this is not a pod (KUBERNETES_SERVICE_HOST "
+                "is unset): set it to a kubeconfig file, e.g. --kubeconfig ~/.kube/config"
+                if outside
+                else f"cannot use the pod's service account: {err}; mount its token "
+                "(automountServiceAccountToken), or set --kubeconfig / DRA_KUBECONFIG"
+            ) from err
     return kube_client.ApiClient(configuration)
+
+
+async def _load_kubeconfig(path: Path, configuration: kube_client.Configuration) -> None:
+    where = f"kubeconfig {path} (--kubeconfig / DRA_KUBECONFIG)"
+    try:
+        with path.open("rb"):  # the client reports a missing file as "Expected key current-context"
+            pass
+    except OSError as err:
+        raise StartupError(f"cannot read {where}: {err.strerror}; set it to a readable kubeconfig") from err
+    try:
+        await kube_config.load_kube_config(  # type: ignore[no-untyped-call]
+            config_file=str(path), client_configuration=configuration
+        )
+    except Exception as err:
+        # The client's parser lets through whatever a malformed file causes (TypeError, yaml
+        # errors, binascii.Error, ConfigException); each means the same to the user.
+        raise StartupError(
+            f"{where} is not a usable kubeconfig: {err}; check it with `kubectl --kubeconfig {path} version`"
+        ) from err
+    if not configuration.host:
+        raise StartupError(f"{where} names no API server: its current context's cluster has no server")
 
 
 async def node_uid(api: kube_client.ApiClient, node_name: str) -> str | None:
@@ -263,27 +317,77 @@ async def run_plugin(settings: Settings, stop: asyncio.Event | None = None) -> N
     """Run the daemon until SIGTERM/SIGINT (or ``stop``); leaves no socket of its own behind."""
     started = time.monotonic()
     stop = stop or _stop_on_signals()
-    state_dir = settings.state_dir
-    state_dir.mkdir(parents=True, exist_ok=True)
+    # What the user can get wrong is checked first, before anything is logged, opened or served.
+    check_sockets(settings)
+    check_writable_dir(settings.state_dir, "--data-dir / DRA_DATA_DIR (default <plugins-dir>/<driver-name>)")
+    check_writable_dir(settings.cdi_dir, "--cdi-dir / DRA_CDI_DIR")
     async with contextlib.AsyncExitStack() as held:
+        api = await api_client(settings)
+        held.push_async_callback(api.close)
+        metrics = Metrics()
+        status = None
+        if settings.http_address:
+            # Bound first: a wrong address fails at once, and probes get answers while GPUs are read.
+            status = StatusServer(settings.http_address, metrics, lambda: "starting")
+            await start_status_server(status, settings.http_address)
+            held.push_async_callback(status.stop)
         backend = await asyncio.to_thread(
             open_backend,
             settings.simulate or None,
-            state_dir,
+            settings.state_dir,
             settings.node_name,
             driver_root=settings.driver_root_mount or settings.driver_root,
         )
         held.push_async_callback(asyncio.to_thread, backend.close)
         inventory = await asyncio.to_thread(backend.inventory)
+        check_mig_partitions(settings, inventory)
         log.info(
             "GPUs discovered",
             backend="simulated:" + settings.simulate if settings.simulate else "nvml",
             gpus=len(inventory.gpus),
             driver_version=inventory.driver_version,
         )
-        api = await api_client(settings)
-        held.push_async_callback(api.close)
-        await _serve(settings, backend, inventory, api, stop, started)
+        await _serve(settings, backend, inventory, api, metrics, status, stop, started)
+
+
+def check_sockets(settings: Settings) -> None:
+    """Refuse socket paths the kernel cannot bind, before any other work is done."""
+    paths = socket_paths(
+        settings.driver_name, settings.plugins_dir, settings.registry_dir, settings.pod_uid or None
+    )
+    try:
+        for path in dataclasses.astuple(paths):
+            check_socket_path(path)
+    except KubeletSocketError as err:
+        raise StartupError(
+            f"{err} (--plugins-dir / DRA_PLUGINS_DIR, --registry-dir / DRA_REGISTRY_DIR)"
+        ) from err
+
+
+def check_writable_dir(directory: Path, setting: str) -> None:
+    """Create ``directory`` if needed and prove that files can be created in it."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".dra-driver-probe-", suffix=".tmp"):
+            pass
+    except OSError as err:
+        # mkdir says "File exists" for a file in the way; say what is wrong with it instead.
+        problem = "not a directory" if isinstance(err, FileExistsError) else err.strerror or str(err)
+        raise StartupError(
+            f"cannot write to {directory} ({setting}): {problem}; point the setting at a "
+            "writable directory, or make this one writable for the plugin"
+        ) from err
+
+
+async def start_status_server(status: StatusServer, address: str) -> None:
+    try:
+        await status.start()
+    except OSError as err:  # socket.gaierror (an unknown host name) is one too
+        await status.stop()
+        raise StartupError(
+            f"cannot listen on --http-address / DRA_HTTP_ADDRESS {address}: {err.strerror or err}; use an "
+            "address of this host and a free port, e.g. 0.0.0.0:8080, or an empty value to disable it"
+        ) from err
 
 
 async def _serve(
@@ -291,11 +395,12 @@ async def _serve(
     backend: Backend,
     inventory: Inventory,
     api: kube_client.ApiClient,
+    metrics: Metrics,
+    status: StatusServer | None,
     stop: asyncio.Event,
     started: float,
 ) -> None:
     state_dir = settings.state_dir
-    metrics = Metrics()
     health = HealthBoard()
     policy = taint_policy(settings)
     publisher = SlicePublisher(
@@ -378,11 +483,10 @@ async def _serve(
             return "ResourceSlices not published yet"
         return None
 
-    status = StatusServer(settings.http_address, metrics, readiness) if settings.http_address else None
+    if status is not None:
+        status.readiness = readiness
     tasks: list[asyncio.Task[None]] = []
     try:
-        if status is not None:
-            await status.start()
         await plugin.start()
         log.info(
             "serving the kubelet",
@@ -407,8 +511,6 @@ async def _serve(
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if status is not None:
-            await status.stop()
 
 
 async def _until_stopped(stop: asyncio.Event, tasks: list[asyncio.Task[None]]) -> None:

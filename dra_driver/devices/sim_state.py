@@ -47,6 +47,10 @@ class SimGpu(_Record):
 
 class SimState(_Record):
     version: int = STATE_VERSION
+    # Whose GPUs these are: GPU uuids derive from the node name, models from the profile; a
+    # file written before these were recorded has them empty and is taken as its reader's.
+    profile: str = ""
+    node_name: str = ""
     boot_id: str = ""  # the boot this state belongs to; see SimulatedBackend for what a reboot clears
     mig_serial: int = 0  # MIG devices ever created: makes every MIG uuid unique
     gpus: dict[str, SimGpu] = Field(default_factory=dict)  # by GPU uuid
