@@ -34,6 +34,7 @@ from dra_driver.devices.types import Gpu
 from dra_driver.errors import EXIT_FAILURE, EXIT_USAGE, StartupError
 from dra_driver.kubelet.sockets import KubeletSocketError
 from dra_driver.log import configure, crash_line, error_line, wants_json
+from dra_driver.node.checkpoint import BootIdUnavailable, CheckpointFromNewerDriver
 from dra_driver.resources.pool import PoolOwner, plan_pool
 from dra_driver.settings import xid_numbers
 
@@ -62,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(argv)
     except StartupError as err:
         return _exit(str(err), err.exit_code, argv)
-    except (DeviceError, KubeletSocketError) as err:
+    except (DeviceError, KubeletSocketError, BootIdUnavailable, CheckpointFromNewerDriver) as err:
         return _exit(str(err), EXIT_FAILURE, argv)
     except KeyboardInterrupt:
         return 130  # Ctrl-C before the daemon's own signal handling took over

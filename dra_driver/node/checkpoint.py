@@ -23,6 +23,7 @@ Everything here blocks on the file system; the event loop calls it through
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -37,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
 SCHEMA_VERSION = 1
+_TEMP_SUFFIX = ".tmp"
 
 log = structlog.get_logger(__name__)
 
@@ -101,6 +103,19 @@ class CheckpointUnreadable(Exception):
     """The file exists but cannot be trusted."""
 
 
+class CheckpointFromNewerDriver(CheckpointUnreadable):
+    """The file was written by a newer schema: this driver must neither believe nor replace it.
+
+    That is what rolling back an upgrade meets. Moving the file aside would drop the
+    newer driver's records (its MIG devices among them), and writing over it would lose
+    them for good, so the driver refuses to start and says what to do.
+    """
+
+
+class BootIdUnavailable(Exception):
+    """Without the boot id, state from before a reboot would be believed: refuse to start."""
+
+
 @dataclass(frozen=True)
 class LoadedCheckpoint:
     """What :func:`load` found."""
@@ -129,7 +144,14 @@ def decode(data: bytes) -> Checkpoint:
         raise CheckpointUnreadable(f"not JSON (truncated or damaged?): {error}") from None
     if not isinstance(document, dict) or set(document) != {"schemaVersion", "checksum", "payload"}:
         raise CheckpointUnreadable("not a checkpoint: expected exactly schemaVersion, checksum and payload")
-    if document["schemaVersion"] != SCHEMA_VERSION:
+    version = document["schemaVersion"]
+    if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
+        raise CheckpointFromNewerDriver(
+            f"it was written by a newer version of the driver (schema {version}; this version reads "
+            f"{SCHEMA_VERSION}). Roll forward to that version, or drain the node's GPU pods and delete "
+            "the file to start afresh"
+        )
+    if version != SCHEMA_VERSION:
         raise CheckpointUnreadable(
             f"schemaVersion {document['schemaVersion']!r} is not {SCHEMA_VERSION} "
             "(written by another version of the driver?)"
@@ -144,12 +166,22 @@ def decode(data: bytes) -> Checkpoint:
 
 
 def read_boot_id(path: Path) -> str:
-    """This boot's id; empty (stale state cannot be told apart) when the file is missing."""
+    """This boot's id; :class:`BootIdUnavailable` when it cannot be read.
+
+    Stale-state detection rests on it: with no boot id, claims prepared before a reboot
+    would be believed, and their devices (gone with the reboot) never handed out again.
+    """
     try:
-        return path.read_text().strip()
-    except FileNotFoundError:
-        log.warning("boot id unavailable: state from before a reboot cannot be detected", path=str(path))
-        return ""
+        boot_id = path.read_text().strip()
+    except OSError as error:
+        raise BootIdUnavailable(
+            f"cannot read the boot id from {path}: {error.strerror or error}; it tells prepared state "
+            "from before a reboot, so the driver does not start without it (mount the host's /proc, "
+            "or point --boot-id-file / DRA_BOOT_ID_FILE at a file that holds it)"
+        ) from None
+    if not boot_id:
+        raise BootIdUnavailable(f"the boot id file {path} is empty; see --boot-id-file / DRA_BOOT_ID_FILE")
+    return boot_id
 
 
 def load(path: Path, boot_id: str) -> LoadedCheckpoint:
@@ -161,6 +193,8 @@ def load(path: Path, boot_id: str) -> LoadedCheckpoint:
         return LoadedCheckpoint(empty, stale={}, moved_aside=None)
     try:
         checkpoint = decode(data)
+    except CheckpointFromNewerDriver as error:
+        raise CheckpointFromNewerDriver(f"checkpoint {path}: {error}") from None
     except CheckpointUnreadable as error:
         aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
         aside = _unused(aside)
@@ -188,14 +222,20 @@ def load(path: Path, boot_id: str) -> LoadedCheckpoint:
 
 
 def write(path: Path, checkpoint: Checkpoint) -> bytes:
-    """Replace the checkpoint atomically and durably; returns the bytes written.
-
-    Temp file in the same directory, fsync, rename over the old file, fsync the
-    directory: after a crash the file is either the old version or the new one.
-    """
+    """Replace the checkpoint atomically and durably; returns the bytes written."""
     data = encode(checkpoint)
+    write_atomically(path, data)
+    return data
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Temp file in the same directory, fsync, rename over the old file, fsync the directory.
+
+    After a crash the file is either the old version or the new one; at worst a
+    temporary file is left behind (:func:`remove_leftover_temps` clears those).
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_TEMP_SUFFIX)
     try:
         with os.fdopen(fd, "wb") as temp:
             temp.write(data)
@@ -210,7 +250,26 @@ def write(path: Path, checkpoint: Checkpoint) -> bytes:
         os.fsync(directory)
     finally:
         os.close(directory)
-    return data
+
+
+def remove_leftover_temps(path: Path, *, older_than_s: float = 0.0) -> int:
+    """Remove the temporary files that interrupted writes of ``path`` left; returns how many.
+
+    ``older_than_s`` spares files young enough to belong to a write still in progress by a
+    process that does not hold our lock.
+    """
+    removed = 0
+    deadline = time.time() - older_than_s
+    for temp in path.parent.glob(f".{glob.escape(path.name)}.*{_TEMP_SUFFIX}"):
+        try:
+            if temp.stat().st_mtime <= deadline:
+                temp.unlink()
+                removed += 1
+        except FileNotFoundError:
+            continue  # its writer renamed or removed it meanwhile
+    if removed:
+        log.info("removed temporary files of interrupted writes", file=str(path), count=removed)
+    return removed
 
 
 def _unused(path: Path) -> Path:

@@ -16,6 +16,14 @@ instance wrote last, the other instance wrote it, so its state (with its higher
 of the bytes, not of inode numbers or times: a file system reuses freed inodes, and
 times are coarse.) No instance's update is lost, and the conflict rules of
 :mod:`dra_driver.node.state` always see both instances' claims.
+
+The flusher is the only owner of the in-memory state: reads of the file
+(:meth:`Journal.refresh`) queue behind writes like mutations do, and the worker
+thread publishes the state it wrote together with the bytes, before it releases the
+lock. State and file therefore always change together. (Publishing on the event loop
+after the lock was released let a concurrent read pair the new bytes with the old
+state and keep the old state: released claims came back, and a committed reservation
+could be dropped.)
 """
 
 from __future__ import annotations
@@ -24,13 +32,20 @@ import asyncio
 import contextlib
 import fcntl
 import os
+import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
 from dra_driver.node import checkpoint as ckpt
-from dra_driver.node.checkpoint import Checkpoint, CheckpointUnreadable, LoadedCheckpoint
+from dra_driver.node.checkpoint import (
+    Checkpoint,
+    CheckpointFromNewerDriver,
+    CheckpointUnreadable,
+    LoadedCheckpoint,
+)
 from dra_driver.node.state import Mutation, MutationRejected, apply
 
 log = structlog.get_logger(__name__)
@@ -38,6 +53,14 @@ log = structlog.get_logger(__name__)
 
 class CheckpointWriteError(Exception):
     """The checkpoint could not be written; the mutation did not happen."""
+
+
+@dataclass(frozen=True)
+class _Read:
+    """A queued :meth:`Journal.refresh`: no change, only the freshest state."""
+
+
+_Step = Mutation | _Read
 
 
 class Journal:
@@ -48,8 +71,11 @@ class Journal:
         self._lock_path = path.with_name(path.name + ".lock")
         self._state: Checkpoint | None = None
         self._written: bytes | None = None  # the file's content as this instance wrote (or read) it last
-        self._pending: list[tuple[Mutation, asyncio.Future[None]]] = []
+        self._pending: list[tuple[_Step, asyncio.Future[Checkpoint]]] = []
         self._flusher: asyncio.Task[None] | None = None
+        # The file lock is per open file, so it also excludes our own threads; this lock
+        # says so explicitly and holds where flock is advisory-only (some network file systems).
+        self._thread_lock = threading.Lock()
 
     @property
     def state(self) -> Checkpoint:
@@ -69,6 +95,7 @@ class Journal:
 
     def _open(self, boot_id: str, repair: Callable[[LoadedCheckpoint], Checkpoint]) -> None:
         with self._locked():
+            ckpt.remove_leftover_temps(self.path)  # only lock holders write it: none is in progress
             loaded = ckpt.load(self.path, boot_id)
             state = repair(loaded)
             if state != loaded.checkpoint or loaded.stale or loaded.moved_aside or not self.path.exists():
@@ -81,15 +108,11 @@ class Journal:
     async def refresh(self) -> Checkpoint:
         """The state including what another plugin instance wrote since our last write.
 
-        Read under the file lock. Needed before acting on a record that the other
-        instance of a rolling update may have written (a MIG device to destroy).
+        Read under the file lock, in turn with the commits queued before it. Needed before
+        acting on a record that the other instance of a rolling update may have written (a
+        MIG device to destroy).
         """
-        return await asyncio.to_thread(self._refresh)
-
-    def _refresh(self) -> Checkpoint:
-        with self._locked():
-            self._state = self._current()
-            return self._state
+        return await self._enqueue(_Read())
 
     async def commit(self, mutation: Mutation) -> None:
         """Apply ``mutation`` durably; returns once it is on disk.
@@ -97,17 +120,20 @@ class Journal:
         Raises :class:`MutationRejected` when the state forbids it and
         :class:`CheckpointWriteError` when the file could not be written.
         """
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append((mutation, future))
+        await self._enqueue(mutation)
+
+    async def _enqueue(self, step: _Step) -> Checkpoint:
+        future: asyncio.Future[Checkpoint] = asyncio.get_running_loop().create_future()
+        self._pending.append((step, future))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush())
-        await future
+        return await future
 
     async def _flush(self) -> None:
         while self._pending:
             batch, self._pending = self._pending, []
             try:
-                state, written, outcomes = await asyncio.to_thread(self._write, [m for m, _ in batch])
+                state, outcomes = await asyncio.to_thread(self._write, [step for step, _ in batch])
             except Exception as error:  # a waiter must never hang: every failure resolves the batch
                 log.error(
                     "checkpoint write failed", path=str(self.path), error=str(error), mutations=len(batch)
@@ -116,38 +142,47 @@ class Journal:
                 for _, future in batch:
                     _resolve(future, CheckpointWriteError(message))
                 continue
-            self._state, self._written = state, written
             for (_, future), outcome in zip(batch, outcomes, strict=True):
-                _resolve(future, outcome)
+                _resolve(future, state if outcome is None else outcome)
 
-    def _write(
-        self, mutations: list[Mutation]
-    ) -> tuple[Checkpoint, bytes | None, list[MutationRejected | None]]:
+    def _write(self, steps: list[_Step]) -> tuple[Checkpoint, list[MutationRejected | None]]:
+        """Apply ``steps`` to the freshest state; publish state and bytes before unlocking."""
         with self._locked():
-            base = self._current()
-            state, outcomes = apply(base, mutations)
-            written = ckpt.write(self.path, state) if state is not base else self._written
-            return state, written, outcomes
+            base, seen = self._current()
+            mutations = [step for step in steps if not isinstance(step, _Read)]
+            state, applied = apply(base, mutations)
+            written = ckpt.write(self.path, state) if state is not base else seen
+            # Only now, with the write done and the lock still held: a failed write changes neither.
+            self._state, self._written = state, written
+            results = iter(applied)
+            return state, [None if isinstance(step, _Read) else next(results) for step in steps]
 
-    def _current(self) -> Checkpoint:
-        """Our state, or the other instance's if it wrote the file since our last write."""
+    def _current(self) -> tuple[Checkpoint, bytes | None]:
+        """The state to build on and the file content it stands for.
+
+        That is our state, or the other instance's if it wrote the file since our last write.
+        Changes nothing: the caller publishes both together once its own write is done.
+        """
         mine = self.state
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:
             log.warning("checkpoint disappeared; writing it again from memory", path=str(self.path))
-            return mine
+            return mine, self._written
         if data == self._written:
-            return mine
+            return mine, data
         try:
             theirs = ckpt.decode(data)
+        except CheckpointFromNewerDriver as error:
+            # A newer driver (an upgrade next to this instance) owns the file now: never overwrite it.
+            raise CheckpointFromNewerDriver(f"checkpoint {self.path}: {error}") from None
         except CheckpointUnreadable as error:
             log.error(
                 "checkpoint written by another instance is unreadable; overwriting it from memory",
                 path=str(self.path),
                 reason=str(error),
             )
-            return mine
+            return mine, self._written
         log.info(
             "checkpoint changed by another plugin instance; merging",
             ours=mine.generation,
@@ -155,24 +190,25 @@ class Journal:
         )
         # The file wins: it holds our earlier writes plus theirs. The next write must
         # have a higher generation than both.
-        self._written = data
-        return theirs.model_copy(update={"generation": max(theirs.generation, mine.generation)})
+        return theirs.model_copy(update={"generation": max(theirs.generation, mine.generation)}), data
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         self._lock_path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # releases the lock
+        with self._thread_lock:
+            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)  # releases the lock
 
 
-def _resolve(future: asyncio.Future[None], outcome: Exception | None) -> None:
+def _resolve(future: asyncio.Future[Checkpoint], outcome: Checkpoint | Exception) -> None:
+    """Hand a waiter the state after its step, or the reason its step did not happen."""
     if future.done():  # the waiter was cancelled; the mutation stands
         return
-    if outcome is None:
-        future.set_result(None)
-    else:
+    if isinstance(outcome, Exception):
         future.set_exception(outcome)
+    else:
+        future.set_result(outcome)

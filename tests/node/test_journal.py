@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -166,6 +168,68 @@ async def test_a_cancelled_waiter_does_not_undo_its_mutation(tmp_path: Path) -> 
 
     assert waiter.cancelled()
     assert set(ckpt.decode((tmp_path / "checkpoint.json").read_bytes()).claims) == {"u1", "u2"}
+
+
+async def test_refreshes_racing_commits_lose_no_update(tmp_path: Path) -> None:
+    """An 8-claim pod prepared and unprepared as the preparer does it, many times over.
+
+    Unprepare reads the file (``refresh``) before each release, while the releases of the
+    pod's other claims are being written. A read must never pair the new file with the old
+    state: the released claims would come back, and the next write would put them on disk.
+    """
+    path = tmp_path / "checkpoint.json"
+    journal = await opened(path)
+    claims = 8
+
+    async def prepare(round_: int, i: int) -> None:
+        attempt = f"r{round_}-{i}"
+        await journal.commit(Reserve(f"u{i}", record(attempt, f"gpu-{i}")))
+        await journal.commit(Complete(f"u{i}", record(attempt, f"gpu-{i}", phase="PrepareCompleted")))
+
+    async def unprepare(i: int) -> None:
+        await journal.refresh()
+        await journal.commit(Release(f"u{i}"))
+
+    for round_ in range(150):
+        await asyncio.gather(*(prepare(round_, i) for i in range(claims)))
+        assert len(journal.state.claims) == claims
+        await asyncio.gather(*(unprepare(i) for i in range(claims)))
+        assert journal.state.claims == {}, f"round {round_}: released claims came back"
+        assert claim_ids(path) == set(), f"round {round_}: released claims are on disk"
+
+
+async def test_refresh_sees_the_commits_queued_before_it(tmp_path: Path) -> None:
+    journal = await opened(tmp_path / "checkpoint.json")
+
+    reserving = asyncio.ensure_future(journal.commit(Reserve("u1", record("a1", "gpu-0"))))
+    await asyncio.sleep(0)  # let it queue its mutation
+    seen = await journal.refresh()
+
+    assert reserving.done()
+    assert set(seen.claims) == {"u1"}
+
+
+async def test_a_file_written_by_a_newer_driver_is_never_overwritten(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.json"
+    journal = await opened(path)
+    await journal.commit(Reserve("u1", record("a1", "gpu-0")))
+    newer = json.dumps({"schemaVersion": ckpt.SCHEMA_VERSION + 1, "checksum": "sha256:x", "payload": {}})
+    path.write_text(newer)  # the upgraded instance of a rolling update wrote it
+
+    with pytest.raises(CheckpointWriteError, match="written by a newer version of the driver"):
+        await journal.commit(Reserve("u2", record("a2", "gpu-1")))
+
+    assert path.read_text() == newer
+
+
+async def test_opening_removes_temporary_files_of_interrupted_writes(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.json"
+    ckpt.write(path, Checkpoint(boot_id=BOOT))
+    (tmp_path / ".checkpoint.json.k2j3.tmp").write_text("{torn")
+
+    await opened(path)
+
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint.json", "checkpoint.json.lock"]
 
 
 OTHER_INSTANCE = """

@@ -501,7 +501,7 @@ async def test_damaged_checkpoint_is_rebuilt_from_the_cdi_specs(node: Node, dama
         case "not json":
             data = b"\x00" * 64
         case "unknown schema":
-            data = data.replace(b'"schemaVersion": 1', b'"schemaVersion": 99')
+            data = data.replace(b'"schemaVersion": 1', b'"schemaVersion": 0')
     node.checkpoint_path.write_bytes(data)
 
     preparer = await node.started()  # must not crash
