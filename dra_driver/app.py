@@ -37,6 +37,7 @@ from dra_driver.kubelet.health import HealthBoard
 from dra_driver.kubelet.server import KubeletPlugin
 from dra_driver.kubelet.sockets import KubeletSocketError, check_socket_path, socket_paths
 from dra_driver.metrics import Metrics
+from dra_driver.node.checkpoint import read_boot_id
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
 from dra_driver.node.claim_status import ApiServerClaimStatus, ClaimStatusWriter
 from dra_driver.node.preparer import NodePreparer
@@ -319,6 +320,7 @@ async def run_plugin(settings: Settings, stop: asyncio.Event | None = None) -> N
     stop = stop or _stop_on_signals()
     # What the user can get wrong is checked first, before anything is logged, opened or served.
     check_sockets(settings)
+    read_boot_id(settings.boot_id_file)  # the preparer reads it again; a missing one stops us here
     check_writable_dir(settings.state_dir, "--data-dir / DRA_DATA_DIR (default <plugins-dir>/<driver-name>)")
     check_writable_dir(settings.cdi_dir, "--cdi-dir / DRA_CDI_DIR")
     async with contextlib.AsyncExitStack() as held:

@@ -251,6 +251,31 @@ def test_simulated_state_of_another_node_is_refused(node: Node) -> None:
 # --- what the sweep over every flag and env var found ----------------------------------------------
 
 
+@pytest.mark.parametrize(("content", "says"), [(None, "No such file"), (b"\xff\xfe", "not text")])
+def test_a_boot_id_file_that_cannot_be_read_stops_it_first(
+    node: Node, content: bytes | None, says: str
+) -> None:
+    boot_id = node.base / "boot_id"
+    boot_id.unlink()
+    if content is not None:
+        boot_id.write_bytes(content)
+    one_line_error(node.plugin(), 1, str(boot_id), "--boot-id-file / DRA_BOOT_ID_FILE", says)
+
+
+def test_a_checkpoint_of_a_newer_driver_is_one_line_and_kept(node: Node) -> None:
+    node.data_dir.mkdir()
+    newer = json.dumps({"schemaVersion": 99, "checksum": "sha256:x", "payload": {}})
+    (node.data_dir / "checkpoint.json").write_text(newer)
+    result = node.plugin()
+    # It is found once the daemon runs, after its first log lines: the error is the last line.
+    assert "Traceback" not in result.stderr
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith("error: ")
+    assert "newer version of the driver" in last
+    assert (node.data_dir / "checkpoint.json").read_text() == newer
+
+
 def test_a_pod_uid_that_could_leave_the_socket_directory_is_refused(node: Node) -> None:
     result = node.plugin("--pod-uid=../../etc/x")
     one_line_error(result, 2, "--pod-uid / DRA_POD_UID", "'../../etc/x'")
