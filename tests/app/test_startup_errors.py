@@ -287,6 +287,21 @@ def test_an_unknown_flag_is_one_line_naming_the_help() -> None:
     one_line_error(result, 2, "unrecognized arguments: --no-such-flag=1", "dra-driver --help")
 
 
+def test_simulate_with_a_file_for_its_data_dir_says_so(node: Node) -> None:
+    in_the_way = node.base / "a-file"
+    in_the_way.write_text("")
+    result = dra_driver(
+        "simulate",
+        "xid",
+        "--xid=79",
+        "--gpu=0",
+        "--simulate=l4x4",
+        "--node-name=n1",
+        f"--data-dir={in_the_way}",
+    )
+    one_line_error(result, 1, f"{in_the_way} is not a directory", "--data-dir / DRA_DATA_DIR")
+
+
 def test_simulate_busy_of_a_gpu_the_node_lacks_says_so(node: Node) -> None:
     result = dra_driver("simulate", "busy", "--gpu=99", *node.flags()[:3])
     one_line_error(result, 1, "no GPU with index 99", "0..7")
