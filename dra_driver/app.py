@@ -10,17 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import os
 import signal
-import tempfile
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from pathlib import Path
 
 import structlog
 from kubernetes.aio import client as kube_client
-from kubernetes.aio import config as kube_config
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -31,13 +26,10 @@ from dra_driver.devices.backends import open_backend
 from dra_driver.devices.driver_root import find_driver_files
 from dra_driver.devices.health import HealthSource, NodeFaults, open_health_source
 from dra_driver.devices.types import HealthState, Inventory
-from dra_driver.errors import StartupError
 from dra_driver.http import StatusServer
 from dra_driver.kubelet.health import HealthBoard
 from dra_driver.kubelet.server import KubeletPlugin
-from dra_driver.kubelet.sockets import KubeletSocketError, check_socket_path, socket_paths
 from dra_driver.metrics import Metrics
-from dra_driver.node.checkpoint import read_boot_id
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
 from dra_driver.node.claim_status import ApiServerClaimStatus, ClaimStatusWriter
 from dra_driver.node.preparer import NodePreparer
@@ -60,6 +52,12 @@ from dra_driver.resources.taints import (
 )
 from dra_driver.resources.wire import DeviceTaint
 from dra_driver.settings import Settings, TaintsOnRecovery, partition_gpus, xid_numbers
+from dra_driver.startup import (
+    check_before_starting,
+    check_mig_partitions,
+    load_kube_configuration,
+    start_status_server,
+)
 
 log = structlog.get_logger("dra_driver.app")
 
@@ -77,21 +75,6 @@ def partition_policy(setting: str) -> PartitionPolicy:
     if setting == "none":
         return partition_none
     return partition_selected(partition_gpus(setting))
-
-
-def check_mig_partitions(settings: Settings, inventory: Inventory) -> None:
-    """Refuse a ``--mig-partitions`` list naming a GPU the node lacks: a typo would silently offer none."""
-    if settings.mig_partitions in {"all", "none"}:
-        return
-    known = {str(gpu.minor) for gpu in inventory.gpus} | {gpu.uuid for gpu in inventory.gpus}
-    missing = [gpu for gpu in partition_gpus(settings.mig_partitions) if gpu not in known]
-    if missing:
-        minors = ", ".join(str(gpu.minor) for gpu in sorted(inventory.gpus, key=lambda g: g.minor))
-        raise StartupError(
-            f"--mig-partitions / DRA_MIG_PARTITIONS names {', '.join(missing)}, which node "
-            f"{settings.node_name or '(unnamed)'} does not have; its GPUs are the minor numbers "
-            f"{minors or '(none)'} or their UUIDs (`dra-driver inventory` lists them); or use all or none"
-        )
 
 
 def desired_slices(
@@ -137,47 +120,10 @@ def edits_for(settings: Settings, inventory: Inventory) -> CommonEdits:
 
 
 async def api_client(settings: Settings) -> kube_client.ApiClient:
-    """A client of the API server: from the kubeconfig if one is set, else the pod's service account.
-
-    Only the configuration is read here; StartupError says what is wrong with it.
-    """
+    """A client of the API server: from the kubeconfig if one is set, else the pod's service account."""
     configuration = kube_client.Configuration()
-    if settings.kubeconfig is not None:
-        await _load_kubeconfig(settings.kubeconfig, configuration)
-    else:
-        try:
-            kube_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-        except kube_config.ConfigException as err:
-            outside = "KUBERNETES_SERVICE_HOST" not in os.environ
-            raise StartupError(
-                "no --kubeconfig / DRA_KUBECONFIG is set and this is not a pod (KUBERNETES_SERVICE_HOST "
-                "is unset): set it to a kubeconfig file, e.g. --kubeconfig ~/.kube/config"
-                if outside
-                else f"cannot use the pod's service account: {err}; mount its token "
-                "(automountServiceAccountToken), or set --kubeconfig / DRA_KUBECONFIG"
-            ) from err
+    await load_kube_configuration(settings.kubeconfig, configuration)
     return kube_client.ApiClient(configuration)
-
-
-async def _load_kubeconfig(path: Path, configuration: kube_client.Configuration) -> None:
-    where = f"kubeconfig {path} (--kubeconfig / DRA_KUBECONFIG)"
-    try:
-        with path.open("rb"):  # the client reports a missing file as "Expected key current-context"
-            pass
-    except OSError as err:
-        raise StartupError(f"cannot read {where}: {err.strerror}; set it to a readable kubeconfig") from err
-    try:
-        await kube_config.load_kube_config(  # type: ignore[no-untyped-call]
-            config_file=str(path), client_configuration=configuration
-        )
-    except Exception as err:
-        # The client's parser lets through whatever a malformed file causes (TypeError, yaml
-        # errors, binascii.Error, ConfigException); each means the same to the user.
-        raise StartupError(
-            f"{where} is not a usable kubeconfig: {err}; check it with `kubectl --kubeconfig {path} version`"
-        ) from err
-    if not configuration.host:
-        raise StartupError(f"{where} names no API server: its current context's cluster has no server")
 
 
 async def node_uid(api: kube_client.ApiClient, node_name: str) -> str | None:
@@ -318,11 +264,7 @@ async def run_plugin(settings: Settings, stop: asyncio.Event | None = None) -> N
     """Run the daemon until SIGTERM/SIGINT (or ``stop``); leaves no socket of its own behind."""
     started = time.monotonic()
     stop = stop or _stop_on_signals()
-    # What the user can get wrong is checked first, before anything is logged, opened or served.
-    check_sockets(settings)
-    read_boot_id(settings.boot_id_file)  # the preparer reads it again; a missing one stops us here
-    check_writable_dir(settings.state_dir, "--data-dir / DRA_DATA_DIR (default <plugins-dir>/<driver-name>)")
-    check_writable_dir(settings.cdi_dir, "--cdi-dir / DRA_CDI_DIR")
+    check_before_starting(settings)  # what the user can get wrong, before anything is logged or opened
     async with contextlib.AsyncExitStack() as held:
         api = await api_client(settings)
         held.push_async_callback(api.close)
@@ -350,46 +292,6 @@ async def run_plugin(settings: Settings, stop: asyncio.Event | None = None) -> N
             driver_version=inventory.driver_version,
         )
         await _serve(settings, backend, inventory, api, metrics, status, stop, started)
-
-
-def check_sockets(settings: Settings) -> None:
-    """Refuse socket paths the kernel cannot bind, before any other work is done."""
-    paths = socket_paths(
-        settings.driver_name, settings.plugins_dir, settings.registry_dir, settings.pod_uid or None
-    )
-    try:
-        for path in dataclasses.astuple(paths):
-            check_socket_path(path)
-    except KubeletSocketError as err:
-        raise StartupError(
-            f"{err} (--plugins-dir / DRA_PLUGINS_DIR, --registry-dir / DRA_REGISTRY_DIR)"
-        ) from err
-
-
-def check_writable_dir(directory: Path, setting: str) -> None:
-    """Create ``directory`` if needed and prove that files can be created in it."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".dra-driver-probe-", suffix=".tmp"):
-            pass
-    except OSError as err:
-        # mkdir says "File exists" for a file in the way; say what is wrong with it instead.
-        problem = "not a directory" if isinstance(err, FileExistsError) else err.strerror or str(err)
-        raise StartupError(
-            f"cannot write to {directory} ({setting}): {problem}; point the setting at a "
-            "writable directory, or make this one writable for the plugin"
-        ) from err
-
-
-async def start_status_server(status: StatusServer, address: str) -> None:
-    try:
-        await status.start()
-    except OSError as err:  # socket.gaierror (an unknown host name) is one too
-        await status.stop()
-        raise StartupError(
-            f"cannot listen on --http-address / DRA_HTTP_ADDRESS {address}: {err.strerror or err}; use an "
-            "address of this host and a free port, e.g. 0.0.0.0:8080, or an empty value to disable it"
-        ) from err
 
 
 async def _serve(

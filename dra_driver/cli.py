@@ -24,7 +24,7 @@ from typing import NoReturn
 import yaml
 
 from dra_driver import __version__
-from dra_driver.app import check_mig_partitions, desired_slices, run_plugin
+from dra_driver.app import desired_slices, run_plugin
 from dra_driver.cli_settings import add_settings_flags, requested_log_format, settings_from
 from dra_driver.devices.backend import DeviceError
 from dra_driver.devices.backends import open_backend
@@ -37,6 +37,7 @@ from dra_driver.log import configure, crash_line, error_line, wants_json
 from dra_driver.node.checkpoint import BootIdUnavailable, CheckpointFromNewerDriver
 from dra_driver.resources.pool import PoolOwner, plan_pool
 from dra_driver.settings import xid_numbers
+from dra_driver.startup import check_mig_partitions
 
 # The settings the offline commands honour; the daemon takes them all.
 _INVENTORY_SETTINGS = [
