@@ -178,9 +178,10 @@ def read_boot_id(path: Path) -> str:
     """
     try:
         boot_id = path.read_text().strip()
-    except OSError as error:
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) else "not text"
         raise BootIdUnavailable(
-            f"cannot read the boot id from {path}: {error.strerror or error}; it tells prepared state "
+            f"cannot read the boot id from {path}: {reason or error}; it tells prepared state "
             "from before a reboot, so the driver does not start without it (mount the host's /proc, "
             "or point --boot-id-file / DRA_BOOT_ID_FILE at a file that holds it)"
         ) from None
