@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dra_driver import crashpoint
 from dra_driver.cdi.spec import cdi_kind, check_claim_uid
 from dra_driver.cdi.validate import validate_spec
 
@@ -66,22 +67,26 @@ class SpecStore:
                 # Readable like any other spec: tools such as `cdi list` need not run as root.
                 os.fchmod(temp.fileno(), 0o644)
                 os.fsync(temp.fileno())
+            crashpoint.reached("cdi.before_rename")
             os.replace(temp_name, path)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temp_name)
             raise
         self._sync_directory()
+        crashpoint.reached("cdi.after_write")
         return path
 
     def remove(self, claim_uid: str) -> None:
         """Delete the claim's spec; a spec that is already gone is fine."""
         path = self.path_for(claim_uid)
+        crashpoint.reached("cdi.before_remove")
         try:
             path.unlink()
         except FileNotFoundError:
             return
         self._sync_directory()
+        crashpoint.reached("cdi.after_remove")
 
     def claim_uids(self) -> set[str]:
         """The claims that have a spec file of ours, e.g. to clean up after a lost checkpoint."""

@@ -36,6 +36,8 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
+from dra_driver import crashpoint
+
 SCHEMA_VERSION = 1
 
 log = structlog.get_logger(__name__)
@@ -201,6 +203,7 @@ def write(path: Path, checkpoint: Checkpoint) -> bytes:
             temp.write(data)
             temp.flush()
             os.fsync(temp.fileno())
+        crashpoint.reached("checkpoint.before_rename")
         os.replace(temp_name, path)
     except BaseException:
         Path(temp_name).unlink(missing_ok=True)
@@ -210,6 +213,7 @@ def write(path: Path, checkpoint: Checkpoint) -> bytes:
         os.fsync(directory)
     finally:
         os.close(directory)
+    crashpoint.reached("checkpoint.after_write")
     return data
 
 
