@@ -138,6 +138,9 @@ class NodePreparer:
     async def start(self) -> None:
         """Load the checkpoint (repairing it after a reboot, damage or a crash); call once before serving."""
         boot_id = await asyncio.to_thread(read_boot_id, self._boot_id_path)
+        abandoned = await asyncio.to_thread(self._specs.remove_abandoned_temp_files)
+        if abandoned:
+            log.info("removed the temporary files of CDI spec writes a crash interrupted", files=abandoned)
         await self._journal.open(boot_id, self._starting_state)
         log.info(
             "prepared claims loaded", claims=len(self._journal.state.claims), path=str(self._journal.path)

@@ -24,6 +24,7 @@ import asyncio
 import random
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dra_driver.cdi.store import SpecStore
@@ -56,6 +57,7 @@ class Kill9Figures:
     lost_claims: int = 0
     double_allocations: int = 0
     failed_claims: int = 0  # claims not prepared or unprepared within RETRIES retries
+    leftover_temp_files: int = 0  # half-written checkpoints or specs still there after the restart
     killed_at: Counter[str] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
 
@@ -69,6 +71,7 @@ class Kill9Figures:
             "kill9.lost_claims": self.lost_claims,
             "kill9.double_allocations": self.double_allocations,
             "kill9.failed_claims": self.failed_claims,
+            "kill9.leftover_temp_files": self.leftover_temp_files,
             "kill9.killed_at": dict(sorted(self.killed_at.items())),
             "kill9.problems": self.problems[:20],
         }
@@ -246,6 +249,11 @@ def _check_released(node: SimNode, plugin: Plugin, figures: Kill9Figures, label:
     figures.leaked_specs += len(state.specs)
     figures.leaked_mig += len(state.mig_devices)
     figures.leaked_records += len(state.records)
+    figures.leftover_temp_files += len(state.temp_files)
+    if state.temp_files:
+        figures.problems.append(f"{label}: temporary files left: {list(state.temp_files)}")
+        for temp in state.temp_files:  # counted once, not again in every later run
+            Path(temp).unlink()
     if state.specs or state.mig_devices or state.records:
         figures.problems.append(
             f"{label}: left behind specs {sorted(state.specs)}, records {sorted(state.records)}, "

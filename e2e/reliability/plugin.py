@@ -228,7 +228,7 @@ class NodeState:
     specs: frozenset[str]  # claim uids with a CDI spec
     records: dict[str, ckpt.ClaimRecord]  # the checkpoint's claims
     mig_devices: tuple[MigDevice, ...]  # alive on the simulated GPUs
-    temp_files: tuple[str, ...]  # leftover .tmp files in the data and CDI directories
+    temp_files: tuple[str, ...]  # the driver's leftover .tmp files in the data and CDI directories
 
     @classmethod
     def read(cls, paths: DriverPaths, node: str) -> NodeState:
@@ -240,12 +240,14 @@ class NodeState:
             migs = tuple(m for gpu in backend.inventory().gpus for m in gpu.mig_devices)
         finally:
             backend.close()
+        # The driver's own temporary files are hidden (the checkpoint's, the CDI specs'); the
+        # simulator's state file stands in for hardware and is not counted.
         temps = tuple(
             str(p)
             for d in (paths.data, paths.cdi)
             if d.exists()
             for p in d.iterdir()
-            if p.name.endswith(".tmp")
+            if p.name.startswith(".") and p.name.endswith(".tmp")
         )
         return cls(specs=specs, records=dict(records), mig_devices=migs, temp_files=temps)
 
