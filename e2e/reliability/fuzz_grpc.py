@@ -31,6 +31,7 @@ _hostile = [
     "", " ", ".", "..", "/", "../..", f"../../{MARK}", f"..%2f{MARK}", f"/tmp/{MARK}", f"a/../../{MARK}",
     f"{MARK}\x00x", f"{MARK}\n", "é" * 40, "☃" + MARK, "\u202e" + MARK, "x" * 300, MARK * 1000,
     "CON", "-", "a-", "Z" * 64, "\\..\\" + MARK, "gpu-0", "default", "kube-system",
+    "default\n", "c\n", "0d7f3c52-1b6e-4bb7-9a1e-0c6a3c1e5b11\n", MARK + "\r\n",
 ]  # fmt: skip
 _METHODS = ("NodePrepareResources", "NodeUnprepareResources")
 
