@@ -2,7 +2,7 @@
 
 ``kill -9`` from outside lands wherever the process happens to be; to prove that a crash at
 *every* step of prepare and unprepare loses nothing, the suite also needs to kill it exactly
-before and after each checkpoint write, CDI spec write and MIG create or destroy. Those steps
+before and after each journal commit, data file write, CDI spec write and MIG create or destroy. Those steps
 call :func:`reached` with their name. With the environment variable ``TEST_DRA_CRASH_POINT``
 unset -- always, outside the suite -- :func:`reached` is a function that returns at once.
 
@@ -22,8 +22,12 @@ from collections.abc import Callable
 ENV = "TEST_DRA_CRASH_POINT"
 
 POINTS = (
-    "checkpoint.before_rename",  # the new checkpoint is written and synced, not yet renamed into place
-    "checkpoint.after_write",  # the new checkpoint is in place and durable
+    "journal.before_append",  # a group commit of the checkpoint journal, before its log line is written
+    "journal.after_append",  # ... and once it is written, before any waiter hears of it
+    # Every atomic file write of the data directory: the checkpoint's snapshot (at start-up and
+    # when the log is compacted), the log's header, the ledger of created MIG devices.
+    "datafile.before_rename",  # written and synced, not yet renamed into place
+    "datafile.after_write",  # in place and durable
     "cdi.before_rename",
     "cdi.after_write",
     "cdi.before_remove",

@@ -70,7 +70,7 @@ class SpecStore:
                 os.fchmod(temp.fileno(), 0o644)
                 os.fsync(temp.fileno())
                 crashpoint.reached("cdi.before_rename")
-                # Renamed while still open and locked: see remove_abandoned_temp_files.
+                # Renamed while still open and locked: see remove_leftover_temps.
                 os.replace(temp_name, path)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
@@ -91,7 +91,7 @@ class SpecStore:
         self._sync_directory()
         crashpoint.reached("cdi.after_remove")
 
-    def remove_abandoned_temp_files(self) -> list[str]:
+    def remove_leftover_temps(self) -> list[str]:
         """Delete the temporary files of spec writes that died half-way; returns their names.
 
         A crash between creating a temporary file and renaming it into place leaves it behind,

@@ -58,6 +58,7 @@ from dra_driver.node.claim_fetcher import ClaimFetcher, ClaimFetchError
 from dra_driver.node.claims import ClaimRejected, allocated_claim, check_ref
 from dra_driver.node.config import config_json
 from dra_driver.node.journal import CheckpointWriteError, Journal
+from dra_driver.node.mig_ledger import MIG_LEDGER_DIR, MigLedger
 from dra_driver.node.partitioner import Partitioner, PartitionError
 from dra_driver.node.plan import ClaimPlan, MigPlacement, plan_claim
 from dra_driver.node.recovery import starting_state
@@ -132,22 +133,20 @@ class NodePreparer:
         self._on_unprepared = on_unprepared
         self._journal = Journal(checkpoint_path)
         self._locks = _ClaimLocks()
-        self._partitioner = Partitioner(backend, on_inventory_changed)
+        self._ledger = MigLedger(checkpoint_path.with_name(MIG_LEDGER_DIR))
+        self._partitioner = Partitioner(backend, self._ledger, on_inventory_changed)
         self._in_flight: set[asyncio.Task[Any]] = set()  # claim operations still running
 
     async def start(self) -> None:
         """Load the checkpoint (repairing it after a reboot, damage or a crash); call once before serving."""
         boot_id = await asyncio.to_thread(read_boot_id, self._boot_id_path)
-        abandoned = await asyncio.to_thread(self._specs.remove_abandoned_temp_files)
-        if abandoned:
-            log.info("removed the temporary files of CDI spec writes a crash interrupted", files=abandoned)
         await self._journal.open(boot_id, self._starting_state)
         log.info(
             "prepared claims loaded", claims=len(self._journal.state.claims), path=str(self._journal.path)
         )
 
     def _starting_state(self, loaded: LoadedCheckpoint) -> Checkpoint:
-        return starting_state(loaded, self._specs, self._pool, self._live_mig_devices)
+        return starting_state(loaded, self._specs, self._pool, self._ledger, self._live_mig_devices)
 
     def _live_mig_devices(self) -> list[MigDevice]:
         return [mig for gpu in self._backend.inventory().gpus for mig in gpu.mig_devices]

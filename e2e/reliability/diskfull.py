@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dra_driver.node import checkpoint as ckpt
+from dra_driver.node import checkpoint_log as ckpt_log
 from e2e.driver import DriverPaths
 from e2e.reliability.env import Env
 from e2e.reliability.plugin import CHECKPOINT_FILE, NodeState
@@ -178,10 +179,14 @@ def _check_files(paths: DriverPaths, figures: DiskFullFigures, label: str) -> No
     checkpoint = paths.data / CHECKPOINT_FILE
     if checkpoint.exists():
         try:
-            ckpt.decode(checkpoint.read_bytes())
+            replayed = ckpt_log.replay(checkpoint, ckpt.decode(checkpoint.read_bytes()))
         except ckpt.CheckpointUnreadable as error:
             figures.damaged_files += 1
             figures.problems.append(f"{label}: checkpoint damaged: {error}")
+        else:
+            if replayed.damaged:  # a torn line the next writer would cut off: half-written
+                figures.damaged_files += 1
+                figures.problems.append(f"{label}: the checkpoint's log ends in a torn line")
     for spec in paths.cdi.glob("*.json"):
         try:
             json.loads(spec.read_text())

@@ -31,6 +31,7 @@ from dra_driver.cdi.spec import common_edits
 from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import Inventory
 from dra_driver.node import checkpoint as ckpt
+from dra_driver.node import checkpoint_log as ckpt_log
 from dra_driver.node.claims import ClaimRejected, ConfigSource, OpaqueConfig, allocated_claim
 from dra_driver.node.config import API_VERSION, ConfigError, decode_config
 from dra_driver.node.plan import plan_claim
@@ -156,7 +157,7 @@ def _target(
 
 
 def run(examples_per_target: int, seed: int) -> ParserFigures:
-    """Four targets, ``examples_per_target`` cases each (a tenth of that for the file-system one)."""
+    """Five targets, ``examples_per_target`` cases each (a tenth of that for the file-system one)."""
     saved = structlog.get_config()
     # The parsers log every bad file they move aside: right on a node, a flood here.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
@@ -188,6 +189,12 @@ def _run(examples_per_target: int, seed: int) -> ParserFigures:
             with contextlib.suppress(ckpt.CheckpointUnreadable):
                 ckpt.decode(data)
 
+        @_target(figures, "checkpoint_log", _log_bytes(), examples_per_target, seed)
+        def _(data: bytes) -> None:
+            first = data.find(b"\n") + 1
+            ckpt_log.parse_header(data[:first])
+            ckpt_log.parse_entries(data[first:], 0)
+
         file = Path(scratch) / "state" / "checkpoint.json"
 
         @_target(figures, "checkpoint_load", _checkpoint_bytes(), examples_per_target // 10, seed)
@@ -196,7 +203,9 @@ def _run(examples_per_target: int, seed: int) -> ParserFigures:
             for leftover in file.parent.iterdir():
                 leftover.unlink()
             file.write_bytes(data)
-            ckpt.load(file, "boot-a")  # never raises: a bad file is moved aside
+            # A bad file is moved aside; one of a newer schema is refused, for the daemon to say so.
+            with contextlib.suppress(ckpt.CheckpointFromNewerDriver):
+                ckpt.load(file, "boot-a")
 
         backend.close()
     return figures
@@ -211,6 +220,31 @@ def _claim_to_spec(claim: Any, inventory: Inventory, edits: Any) -> None:
         json.dumps(plan.cdi_spec if not plan.to_create else {})
     except ClaimRejected:
         pass
+
+
+def _log_bytes() -> st.SearchStrategy[bytes]:
+    """The checkpoint's log: a header, then lines that are signed entries (of any content), or junk."""
+
+    def signed(body: Any) -> bytes:
+        digest = hashlib.sha256(ckpt.canonical_json(body)).hexdigest()
+        return ckpt.canonical_json({"checksum": f"sha256:{digest}", "entry": body}) + b"\n"
+
+    body = _maybe(
+        st.fixed_dictionaries(
+            {
+                "generation": _maybe(st.integers(0, 3)),
+                "set": _maybe(st.dictionaries(_text, json_values, max_size=2)),
+                "delete": _maybe(st.lists(_text, max_size=2)),
+            }
+        )
+    )
+    header = st.builds(lambda b, e: ckpt_log.header(b, e), st.integers(-1, 3), _text) | st.binary(max_size=40)
+    line = (
+        st.builds(signed, body)
+        | st.binary(max_size=60)
+        | st.builds(lambda v: json.dumps(v).encode() + b"\n", json_values)
+    )
+    return st.builds(lambda h, lines: h + b"".join(lines), header, st.lists(line, max_size=4))
 
 
 def _checkpoint_bytes() -> st.SearchStrategy[bytes]:

@@ -4,7 +4,8 @@ One run is one pod's life on the node, as the kubelet drives it: NodePrepareReso
 pod's claims until every claim is prepared, then NodeUnprepareResources until every claim is
 unprepared, the daemon SIGKILLed once somewhere in between. The kill comes either from outside,
 at a random moment of the prepare or the unprepare call, or from inside, at a test crash point
-(:mod:`dra_driver.crashpoint`): before or after a checkpoint write, a CDI spec write or removal,
+(:mod:`dra_driver.crashpoint`): before or after a journal commit, a data file write (snapshot,
+MIG ledger), a CDI spec write or removal,
 a MIG device's creation or destruction, at a random one of its hits. The daemon is then started
 again on the same directories and the run goes on as the kubelet would: it retries the call that
 failed (or, as when the pod was deleted meanwhile, goes straight to unprepare).
@@ -101,10 +102,12 @@ def plan_run(rng: random.Random) -> Plan:
     if rng.random() < 0.7:
         points = [p for p in POINTS if migs or p not in _MIG_POINTS]
         point = rng.choice(points)
-        if point.startswith("checkpoint."):
+        if point.startswith("journal."):
             # Reserve, Progress per MIG device, Complete, Release: fewer when concurrent claims share
             # a write (group commit), so the count stays low enough to be reached in most runs.
             hits = 2 + migs + claims
+        elif point.startswith("datafile."):
+            hits = 1 + migs  # the MIG ledger's entry per created device; the snapshot at start-up
         elif point.startswith("mig."):
             hits = migs
         else:

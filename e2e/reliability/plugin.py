@@ -28,6 +28,7 @@ from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import MigDevice
 from dra_driver.kubelet.pb.dra.v1 import dra_pb2, dra_pb2_grpc
 from dra_driver.node import checkpoint as ckpt
+from dra_driver.node import checkpoint_log as ckpt_log
 from dra_driver.node.types import ClaimRef
 from dra_driver.settings import DEFAULT_DRIVER_NAME
 from e2e.cluster import processes
@@ -234,7 +235,7 @@ class NodeState:
     def read(cls, paths: DriverPaths, node: str) -> NodeState:
         specs = frozenset(SpecStore(paths.cdi, DRIVER).claim_uids())
         checkpoint_file = paths.data / CHECKPOINT_FILE
-        records = ckpt.decode(checkpoint_file.read_bytes()).claims if checkpoint_file.exists() else {}
+        records = ckpt_log.read_state(checkpoint_file).claims if checkpoint_file.exists() else {}
         backend = SimulatedBackend(PROFILE, node, paths.data)
         try:
             migs = tuple(m for gpu in backend.inventory().gpus for m in gpu.mig_devices)

@@ -211,7 +211,7 @@ def test_a_write_killed_before_its_rename_leaves_a_temp_file_the_next_start_remo
     (temp,) = [p.name for p in directory.iterdir() if p.suffix == ".tmp"]
     assert runtime_visible(directory) == [store.path_for(OTHER_UID).name]
 
-    assert store.remove_abandoned_temp_files() == [temp]
+    assert store.remove_leftover_temps() == [temp]
     assert sorted(p.name for p in directory.iterdir()) == [store.path_for(OTHER_UID).name]
 
 
@@ -228,7 +228,7 @@ def test_a_temp_file_a_live_writer_holds_is_kept(store: SpecStore, tmp_path: Pat
         path.write_text("{")
     with in_use.open() as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        assert store.remove_abandoned_temp_files() == [abandoned.name]
+        assert store.remove_leftover_temps() == [abandoned.name]
     assert sorted(p.name for p in directory.iterdir()) == sorted([in_use.name, not_ours.name])
 
 
@@ -245,7 +245,7 @@ def test_a_temp_file_swept_before_its_writer_locked_it_is_replaced(
         fd, name = real_mkstemp(**options)
         created.append(name)
         if len(created) == 1:
-            store.remove_abandoned_temp_files()  # another instance starting, at the worst moment
+            store.remove_leftover_temps()  # another instance starting, at the worst moment
         return fd, name
 
     monkeypatch.setattr(tempfile, "mkstemp", mkstemp_then_swept)

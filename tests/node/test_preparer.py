@@ -486,12 +486,24 @@ async def test_reboot_clears_every_claim_and_spec(node: Node) -> None:
     devices_of((await preparer.prepare([ref]))[ref.uid])  # the kubelet prepares it again
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "not json", "unknown schema"])
-async def test_damaged_checkpoint_is_rebuilt_from_the_cdi_specs(node: Node, damage: str) -> None:
+@pytest.mark.parametrize(
+    ("damaged", "damage"),
+    [
+        ("checkpoint.json", "truncate"),
+        ("checkpoint.json", "not json"),
+        ("checkpoint.json", "unknown schema"),
+        ("checkpoint.json.log", "flip"),
+        ("checkpoint.json.log", "not json"),
+    ],
+)
+async def test_damaged_checkpoint_is_rebuilt_from_the_cdi_specs(
+    node: Node, damaged: str, damage: str
+) -> None:
     kept, other = new_ref("kept"), new_ref("other")
     node.allocate(kept, "gpu-0", "gpu-1")
     await (await node.started()).prepare([kept])
-    data = node.checkpoint_path.read_bytes()
+    path = node.checkpoint_path.with_name(damaged)
+    data = path.read_bytes()
     match damage:
         case "truncate":
             data = data[: len(data) // 2]
@@ -499,14 +511,14 @@ async def test_damaged_checkpoint_is_rebuilt_from_the_cdi_specs(node: Node, dama
             at = data.index(b'"gpu-0"') + 2
             data = data[:at] + b"q" + data[at + 1 :]
         case "not json":
-            data = b"\x00" * 64
+            data = data[: data.index(b"\n") + 1] + b"\x00" * 64 if damaged.endswith(".log") else b"\x00" * 64
         case "unknown schema":
-            data = data.replace(b'"schemaVersion": 1', b'"schemaVersion": 99')
-    node.checkpoint_path.write_bytes(data)
+            data = data.replace(b'"schemaVersion": 2', b'"schemaVersion": 0')
+    path.write_bytes(data)
 
     preparer = await node.started()  # must not crash
 
-    aside = list(node.checkpoint_path.parent.glob("checkpoint.json.corrupt-*"))
+    aside = list(node.checkpoint_path.parent.glob(f"{damaged}.corrupt-*"))
     assert len(aside) == 1
     assert aside[0].read_bytes() == data
     recovered = node.on_disk().claims[kept.uid]
