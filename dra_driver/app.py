@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import structlog
-from kubernetes.aio import client as kube_client
-from kubernetes.aio import config as kube_config
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from dra_driver import kube
 from dra_driver.cdi.spec import CommonEdits, common_edits
 from dra_driver.cdi.store import SpecStore
 from dra_driver.devices.backend import Backend, DeviceError
@@ -53,6 +54,9 @@ from dra_driver.resources.taints import (
 )
 from dra_driver.resources.wire import DeviceTaint
 from dra_driver.settings import Settings, TaintsOnRecovery, xid_numbers
+
+if TYPE_CHECKING:  # only for the annotations: dra_driver.kube imports the client's machinery
+    from kubernetes.aio.client import ApiClient
 
 log = structlog.get_logger("dra_driver.app")
 
@@ -114,25 +118,36 @@ def edits_for(settings: Settings, inventory: Inventory) -> CommonEdits:
     return common_edits(inventory, files)
 
 
-async def api_client(settings: Settings) -> kube_client.ApiClient:
-    configuration = kube_client.Configuration()
+async def api_client(settings: Settings) -> ApiClient:
+    configuration = kube.Configuration()
     if settings.kubeconfig is not None:
-        await kube_config.load_kube_config(  # type: ignore[no-untyped-call]
+        await kube.load_kube_config(  # type: ignore[no-untyped-call]
             config_file=str(settings.kubeconfig), client_configuration=configuration
         )
     else:
-        kube_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-    return kube_client.ApiClient(configuration)
+        kube.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+    return kube.ApiClient(configuration)
 
 
-async def node_uid(api: kube_client.ApiClient, node_name: str) -> str | None:
+async def node_uid(api: ApiClient, node_name: str) -> str | None:
     """The Node's UID for the slices' owner reference; ``None`` (no owner) if it cannot be read yet."""
     try:
-        node = await kube_client.CoreV1Api(api).read_node(node_name)
+        request = await api.param_serialize(
+            method="GET",
+            resource_path="/api/v1/nodes/{name}",
+            path_params={"name": node_name},
+            header_params={"Accept": "application/json"},
+            auth_settings=["BearerToken"],
+        )
+        response: Any = await api.call_api(*request, _request_timeout=10)
+        body = await response.read()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {body[:200].decode(errors='replace')}")
+        uid = json.loads(body)["metadata"]["uid"]
     except Exception as err:  # an outage must not stop the node from serving claims
         log.warning("node not readable; slices get no owner reference", node=node_name, error=str(err))
         return None
-    return node.metadata.uid if node.metadata else None
+    return uid if isinstance(uid, str) else None
 
 
 class InventoryWatch:
@@ -290,7 +305,7 @@ async def _serve(
     settings: Settings,
     backend: Backend,
     inventory: Inventory,
-    api: kube_client.ApiClient,
+    api: ApiClient,
     stop: asyncio.Event,
     started: float,
 ) -> None:

@@ -16,6 +16,7 @@ import pytest
 import structlog
 
 from dra_driver.node import checkpoint as ckpt
+from dra_driver.node import checkpoint_log as ckpt_log
 from dra_driver.node.checkpoint import ClaimRecord, DeviceRecord
 from dra_driver.node.claim_fetcher import ClaimFetchError
 from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice
@@ -484,6 +485,43 @@ async def test_reboot_clears_every_claim_and_spec(node: Node) -> None:
     assert node.specs.claim_uids() == set()
     assert preparer.prepared_claims == 0
     devices_of((await preparer.prepare([ref]))[ref.uid])  # the kubelet prepares it again
+
+
+async def test_a_full_gpu_prepare_writes_the_checkpoint_once(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    preparer = await node.started()
+    appends: list[bytes] = []
+    real_append = ckpt_log.append
+
+    def counting_append(path: Path, data: bytes, at: int) -> int:
+        appends.append(data)
+        return real_append(path, data, at)
+
+    monkeypatch.setattr(ckpt_log, "append", counting_append)
+    ref = new_ref()
+    node.allocate(ref, "gpu-3")
+
+    devices_of((await preparer.prepare([ref]))[ref.uid])
+
+    assert len(appends) == 1
+    assert node.on_disk().claims[ref.uid].phase == "PrepareCompleted"
+
+
+async def test_a_crash_between_the_spec_and_its_record_keeps_the_devices_reserved(node: Node) -> None:
+    crashed, rival = new_ref("crashed"), new_ref("rival")
+    node.allocate(crashed, "gpu-2")
+    await (await node.started()).prepare([crashed])
+    # What a crash right after the spec write leaves: the spec, and no record of it.
+    ckpt.write(node.checkpoint_path, ckpt.Checkpoint(boot_id=node.boot_id_path.read_text().strip()))
+
+    preparer = await node.started()
+
+    assert node.on_disk().claims[crashed.uid].phase == "Recovered"
+    node.allocate(rival, "gpu-2")
+    assert "device gpu-2 is already prepared" in error_of((await preparer.prepare([rival]))[rival.uid])
+    devices_of((await preparer.prepare([crashed]))[crashed.uid])  # the kubelet's retry
+    assert node.on_disk().claims[crashed.uid].phase == "PrepareCompleted"
 
 
 @pytest.mark.parametrize(
