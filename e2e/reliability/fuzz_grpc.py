@@ -139,7 +139,7 @@ async def run(env: Env, calls: int, huge: int, seed: int) -> GrpcFigures:
     state = NodeState.read(plugin.paths, node.name)
     if state.specs or state.records:
         figures.problems.append(f"left behind: specs {sorted(state.specs)}, records {sorted(state.records)}")
-        figures.escapes += len(state.specs)
+        figures.escapes += len(state.specs) + len(state.records)
     return figures
 
 
