@@ -40,6 +40,8 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
+from dra_driver import crashpoint
+
 # 2: the snapshot is continued by a log (checkpoint_log); a version-1 reader must not believe it alone.
 SCHEMA_VERSION = 2
 _TEMP_SUFFIX = ".tmp"
@@ -255,6 +257,7 @@ def write_atomically(path: Path, data: bytes) -> None:
             temp.write(data)
             temp.flush()
             os.fsync(temp.fileno())
+        crashpoint.reached("datafile.before_rename")
         os.replace(temp_name, path)
     except BaseException:
         Path(temp_name).unlink(missing_ok=True)
@@ -264,6 +267,7 @@ def write_atomically(path: Path, data: bytes) -> None:
         os.fsync(directory)
     finally:
         os.close(directory)
+    crashpoint.reached("datafile.after_write")
 
 
 def remove_leftover_temps(path: Path, *, older_than_s: float = 0.0) -> int:

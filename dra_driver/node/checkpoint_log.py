@@ -37,6 +37,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from dra_driver import crashpoint
 from dra_driver.node.checkpoint import Checkpoint, ClaimRecord, canonical_json, decode, write_atomically
 
 LOG_SUFFIX = ".log"
@@ -156,6 +157,7 @@ def append(path: Path, data: bytes, at: int) -> int:
     A write that fails half way (a full disk) is cut off again, so the log never keeps
     a torn line of ours.
     """
+    crashpoint.reached("journal.before_append")
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
         if os.fstat(fd).st_size != at:
@@ -169,6 +171,7 @@ def append(path: Path, data: bytes, at: int) -> int:
             raise
     finally:
         os.close(fd)
+    crashpoint.reached("journal.after_append")
     return at + len(data)
 
 

@@ -620,3 +620,18 @@ async def test_every_prepare_log_line_names_the_claim(node: Node) -> None:
     assert all(e.get("claim_uid") for e in capture.entries)
     assert by_claim[bad.uid][0]["claim_namespace"] == "default"
     assert by_claim[bad.uid][0]["claim_name"] == "bad"
+
+
+async def test_start_removes_temp_files_of_spec_writes_a_crash_interrupted(node: Node) -> None:
+    """What a kill -9 between a spec's write and its rename leaves (found by e2e/reliability)."""
+    prepared = new_ref("kept")
+    node.allocate(prepared, "gpu-0")
+    first = await node.started()
+    devices_of((await first.prepare([prepared]))[prepared.uid])
+    leftover = node.cdi_dir / f".{node.specs.path_for(new_ref().uid).stem}.x1y2z3.tmp"
+    leftover.write_text('{"half": ')
+
+    await node.started()
+
+    assert not leftover.exists()
+    assert node.spec_files() == {node.specs.path_for(prepared.uid).name}
