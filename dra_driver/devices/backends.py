@@ -27,5 +27,9 @@ def open_backend(
     if simulate:
         return SimulatedBackend(simulate, node_name, data_dir)
     return NvmlBackend(
-        sysfs_root=sysfs_root, procfs_root=procfs_root, dev_root=dev_root, driver_root=driver_root
+        sysfs_root=sysfs_root,
+        procfs_root=procfs_root,
+        dev_root=dev_root,
+        driver_root=driver_root,
+        state_dir=data_dir,
     )

@@ -152,7 +152,12 @@ def open_health_source(
             backend, ignored_xids=ignored_xids, poll_seconds=poll_seconds, clock=clock
         )
     if isinstance(backend, NvmlBackend):
-        return NvmlHealthSource(ignored_xids=ignored_xids, poll_seconds=poll_seconds, clock=clock)
+        return NvmlHealthSource(
+            ignored_xids=ignored_xids,
+            poll_seconds=poll_seconds,
+            clock=clock,
+            known_gpus=backend.known_gpus(),
+        )
     raise TypeError(f"no health source for the backend {type(backend).__name__}")
 
 
@@ -229,6 +234,7 @@ class _Registered:
     event_set: Any
     handles: dict[str, Any] = field(default_factory=dict)
     unmonitored: dict[str, str] = field(default_factory=dict)  # uuid -> why
+    unidentified: dict[int, str] = field(default_factory=dict)  # NVML index -> why; retried every period
 
 
 @dataclass(frozen=True)
@@ -243,7 +249,13 @@ class NvmlHealthSource:
 
     The blocking ``nvmlEventSetWait`` runs in a worker thread with a timeout of one period, so
     an event is reported as soon as it arrives and the loop still wakes up every period to
-    check which GPUs NVML can reach. NVML must already be initialised (by the backend).
+    check which GPUs NVML can reach. When the wait itself fails (``GPU_IS_LOST`` while a GPU is
+    off the bus, or any other error), the rest of the period is waited out, so a lost GPU costs
+    one wait per period, not a busy loop. NVML must already be initialised (by the backend).
+
+    A GPU NVML cannot identify at start (no handle or uuid) is tried again every period; while
+    it cannot be watched, the GPU that the backend's inventory knows at that index is reported
+    as unmonitored (``known_gpus``: uuid by NVML index).
     """
 
     def __init__(
@@ -252,10 +264,12 @@ class NvmlHealthSource:
         ignored_xids: Collection[int] = APPLICATION_XIDS,
         poll_seconds: float = 0.5,
         clock: Callable[[], float] = time.time,
+        known_gpus: Mapping[int, str] | None = None,
     ) -> None:
         self._ignored = _IgnoredXids(ignored_xids)
         self._timeout_ms = max(1, int(poll_seconds * 1000))
         self._clock = clock
+        self._known_gpus = dict(known_gpus or {})
 
     async def watch(self) -> AsyncIterator[NodeFaults]:
         registered = await asyncio.to_thread(self._register)
@@ -264,6 +278,8 @@ class NvmlHealthSource:
         current: dict[str, tuple[Fault, ...]] | None = None
         try:
             while True:
+                if registered.unidentified:
+                    await asyncio.to_thread(self._identify, registered)
                 lost = await asyncio.to_thread(self._unreachable, registered)
                 now = int(self._clock())
                 for uuid in set(xids) - lost:
@@ -328,34 +344,52 @@ class NvmlHealthSource:
 
     # --- in worker threads ---------------------------------------------------------------------------
 
-    @staticmethod
-    def _register() -> _Registered:
+    def _register(self) -> _Registered:
         try:
             registered = _Registered(event_set=pynvml.nvmlEventSetCreate())
             count = pynvml.nvmlDeviceGetCount()
         except pynvml.NVMLError as error:
             raise DeviceError(f"cannot watch GPU health through NVML: {error}") from error
         for index in range(count):
-            try:
-                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-                uuid = pynvml.nvmlDeviceGetUUID(handle)
-            except pynvml.NVMLError as error:
-                log.error("a GPU cannot be watched: NVML does not identify it", index=index, error=str(error))
-                continue
-            registered.handles[uuid] = handle
-            try:
-                supported = pynvml.nvmlDeviceGetSupportedEventTypes(handle)
-                if not supported & pynvml.nvmlEventTypeXidCriticalError:
-                    registered.unmonitored[uuid] = "NVML offers no Xid events for this GPU"
-                    continue
-                pynvml.nvmlDeviceRegisterEvents(
-                    handle, pynvml.nvmlEventTypeXidCriticalError, registered.event_set
-                )
-            except pynvml.NVMLError as error:
-                registered.unmonitored[uuid] = f"registering for Xid events failed: {error}"
+            self._register_one(registered, index)
         for uuid, why in registered.unmonitored.items():
             log.warning("GPU health is not monitored", gpu=uuid, reason=why)
         return registered
+
+    def _register_one(self, registered: _Registered, index: int) -> None:
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+        except pynvml.NVMLError as error:
+            why = f"NVML does not identify it ({error}); trying again every period"
+            if index not in registered.unidentified:
+                log.error(
+                    "a GPU cannot be watched yet", index=index, gpu=self._known_gpus.get(index), reason=why
+                )
+            registered.unidentified[index] = why
+            if index in self._known_gpus:
+                registered.unmonitored[self._known_gpus[index]] = why
+            return
+        registered.unidentified.pop(index, None)
+        registered.unmonitored.pop(uuid, None)
+        registered.handles[uuid] = handle
+        try:
+            supported = pynvml.nvmlDeviceGetSupportedEventTypes(handle)
+            if not supported & pynvml.nvmlEventTypeXidCriticalError:
+                registered.unmonitored[uuid] = "NVML offers no Xid events for this GPU"
+                return
+            pynvml.nvmlDeviceRegisterEvents(
+                handle, pynvml.nvmlEventTypeXidCriticalError, registered.event_set
+            )
+        except pynvml.NVMLError as error:
+            registered.unmonitored[uuid] = f"registering for Xid events failed: {error}"
+
+    def _identify(self, registered: _Registered) -> None:
+        """Try the GPUs NVML could not identify again; log the ones that are watched now."""
+        for index in sorted(registered.unidentified):
+            self._register_one(registered, index)
+            if index not in registered.unidentified:
+                log.info("a GPU is watched now", index=index, gpu=self._known_gpus.get(index))
 
     def _next_events(self, registered: _Registered) -> list[_XidEvent]:
         """Wait up to one period for events, then take what else is already queued."""
@@ -366,10 +400,13 @@ class NvmlHealthSource:
                 data = pynvml.nvmlEventSetWait(registered.event_set, timeout)
             except pynvml.NVMLError_Timeout:
                 break
-            except pynvml.NVMLError_GpuIsLost:
-                break  # the lost-GPU check that follows finds which one
             except pynvml.NVMLError as error:
-                log.warning("waiting for NVML events failed; retrying", error=str(error))
+                # GPU_IS_LOST (the lost-GPU check that follows finds which one) or another failure:
+                # NVML answers at once, so the period is waited out here, not spun through.
+                if not isinstance(error, pynvml.NVMLError_GpuIsLost):
+                    log.warning("waiting for NVML events failed; retrying", error=str(error))
+                if not events:
+                    time.sleep(self._timeout_ms / 1000)
                 break
             timeout = 0
             if data.eventType != pynvml.nvmlEventTypeXidCriticalError:

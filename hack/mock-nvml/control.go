@@ -3,9 +3,10 @@ package main
 // The control interface: what an administrator or the hardware does to the machine, for tests.
 // Two C functions beside NVML's own, called through ctypes:
 //
-//	int mockNvmlConfigure(const char *machine, const char *stateDir)
-//	    starts this process over on a new machine ("" = MOCK_NVML_MACHINE or dgxh100) and state
-//	    directory ("" = private to the process); NVML must not be initialised.
+//	int mockNvmlConfigure(const char *machine, const char *stateDir, const char *procRoot)
+//	    starts this process over on a new machine ("" = MOCK_NVML_MACHINE or dgxh100), state
+//	    directory ("" = private to the process) and procfs root for the capability files ("" =
+//	    none); whoever had NVML initialised in this process loses it.
 //	int mockNvmlControl(const char *stateDir, const char *command, char *reply, unsigned int length)
 //	    runs one command on the machine whose state is in stateDir ("" = this process's): 0 and
 //	    the reply, or 1 and an error message.
@@ -44,12 +45,10 @@ import (
 )
 
 //export mockNvmlConfigure
-func mockNvmlConfigure(machine, stateDir *C.char) C.int {
+func mockNvmlConfigure(machine, stateDir, procRoot *C.char) C.int {
 	procMu.Lock()
 	defer procMu.Unlock()
-	if initCount > 0 {
-		return 1
-	}
+	initCount = 0 // whatever a previous user left initialised
 	procSpec = C.GoString(machine)
 	if procSpec == "" {
 		procSpec = os.Getenv(envMachine)
@@ -60,7 +59,7 @@ func mockNvmlConfigure(machine, stateDir *C.char) C.int {
 	if _, err := machineModel(procSpec); err != nil {
 		return 1
 	}
-	procStore = &store{dir: C.GoString(stateDir)}
+	procStore = &store{dir: C.GoString(stateDir), procRoot: C.GoString(procRoot)}
 	eventSets = map[uint32]*eventSet{}
 	return 0
 }
@@ -89,6 +88,9 @@ func control(dir, command string) (string, error) {
 	err := st.with(spec, func(s *State) error {
 		var err error
 		reply, err = s.run(strings.Fields(command))
+		for gpu := range s.Gpus {
+			s.syncCaps(gpu)
+		}
 		return err
 	})
 	return reply, err
@@ -255,9 +257,7 @@ func (s *State) run(args []string) (string, error) {
 			return "", fmt.Errorf("no GPU instance %d", giID)
 		}
 		key, _ := s.profileKey(n, gi.ProfileID)
-		placements := s.config(n).MIGProfiles.ComputeInstancePlacements[key][ciProfile]
-		for _, pl := range placements {
-			want := Placement{pl.Start, pl.Size}
+		for _, want := range s.computePlacements(n, key, ciProfile) {
 			free := true
 			for _, ci := range gi.ComputeInstances {
 				free = free && !ci.Placement.overlaps(want)

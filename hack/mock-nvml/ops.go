@@ -72,7 +72,7 @@ func processStore() (*store, string) {
 		if procSpec == "" {
 			procSpec = "dgxh100"
 		}
-		procStore = &store{dir: os.Getenv(envStateDir)}
+		procStore = &store{dir: os.Getenv(envStateDir), procRoot: os.Getenv(envProcRoot)}
 	}
 	return procStore, procSpec
 }
@@ -129,6 +129,10 @@ func withState(function string, handle uintptr, fn func(*State) nvml.Return) (re
 			}
 		}
 		outcome = fn(s)
+		if handle != 0 && (strings.Contains(function, "Create") || strings.Contains(function, "Destroy")) {
+			_, g, _, _ := splitHandle(handle)
+			s.syncCaps(g)
+		}
 		return nil
 	})
 	if err != nil {
@@ -784,8 +788,7 @@ func mockGpuInstanceCreateComputeInstance(handle uintptr, profileID C.uint, out 
 			return nvml.ERROR_INSUFFICIENT_RESOURCES
 		}
 		var where *Placement
-		for _, p := range cfg.ComputeInstancePlacements[key][int(profileID)] {
-			candidate := Placement{p.Start, p.Size}
+		for _, candidate := range s.computePlacements(gpu, key, int(profileID)) {
 			free := true
 			for _, ci := range gi.ComputeInstances {
 				if ci.Placement.overlaps(candidate) {
@@ -1075,4 +1078,27 @@ func mockEventSetFree(set uintptr) C.int {
 		delete(eventSets, uint32(set&0xffffff))
 		return nvml.SUCCESS
 	})
+}
+
+// computePlacements are the placements of a compute-instance profile inside a GPU instance of
+// GPU-instance profile `key`. NVIDIA's A100 mock lists none; there they are derived the way the
+// H100 mock lists them: back to back, each as wide as the compute instance.
+func (s *State) computePlacements(gpu, key, ciProfile int) []Placement {
+	cfg := s.config(gpu).MIGProfiles
+	var out []Placement
+	for _, p := range cfg.ComputeInstancePlacements[key][ciProfile] {
+		out = append(out, Placement{p.Start, p.Size})
+	}
+	if len(out) > 0 {
+		return out
+	}
+	ci, ok := cfg.ComputeInstanceProfiles[key][ciProfile]
+	gi, found := cfg.GpuInstanceProfiles[key]
+	if !ok || !found || ci.SliceCount == 0 {
+		return nil
+	}
+	for start := uint32(0); start+ci.SliceCount <= gi.SliceCount; start += ci.SliceCount {
+		out = append(out, Placement{start, ci.SliceCount})
+	}
+	return out
 }

@@ -31,6 +31,7 @@ import (
 const (
 	envMachine  = "MOCK_NVML_MACHINE"   // dgxh100 (default), dgxh200, dgxa100, dgxb200; ":N" keeps N GPUs
 	envStateDir = "MOCK_NVML_STATE_DIR" // where the state file lives; unset: private to the process
+	envProcRoot = "MOCK_NVML_PROC_ROOT" // where the kernel driver's /proc files go (nvidia-caps minors)
 	stateFile   = "state.json"
 	lockFile    = "state.lock"
 	// A GPU's minor number after a MIG-mode switch that renumbers it (see State.RenumberOnMigSwitch).
@@ -96,10 +97,13 @@ type State struct {
 	CudaVersion   int    `json:"cudaVersion"`
 	// Real NVML: SetMigMode "may unbind or reset the device ... attributes such as minor number
 	// might change". When set, every successful switch renumbers the GPU, so callers must re-read.
-	RenumberOnMigSwitch bool    `json:"renumberOnMigSwitch,omitempty"`
-	Gpus                []Gpu   `json:"gpus"`
-	Faults              []Fault `json:"faults,omitempty"`
-	Serial              uint64  `json:"serial"` // for MIG uuids and event sequence numbers
+	RenumberOnMigSwitch bool `json:"renumberOnMigSwitch,omitempty"`
+	// The procfs root the kernel driver's capability files are written under, as the driver does
+	// when it creates GPU and compute instances ("": none written).
+	ProcRoot string  `json:"procRoot,omitempty"`
+	Gpus     []Gpu   `json:"gpus"`
+	Faults   []Fault `json:"faults,omitempty"`
+	Serial   uint64  `json:"serial"` // for MIG uuids and event sequence numbers
 }
 
 // machines are the systems NVIDIA's go-nvml mocks define, by the name MOCK_NVML_MACHINE takes.
@@ -157,12 +161,12 @@ func stableUUID(text string) string {
 	return fmt.Sprintf("%x-%x-%x-%x-%x", h[0:4], h[4:6], h[6:8], h[8:10], h[10:16])
 }
 
-func newState(spec string) (*State, error) {
+func newState(spec, procRoot string) (*State, error) {
 	m, err := machineModel(spec)
 	if err != nil {
 		return nil, err
 	}
-	s := &State{Machine: spec, DriverVersion: m.driverVersion, CudaVersion: m.cudaVersion}
+	s := &State{Machine: spec, DriverVersion: m.driverVersion, CudaVersion: m.cudaVersion, ProcRoot: procRoot}
 	for i := range m.configs {
 		s.Gpus = append(s.Gpus, Gpu{
 			UUID:      "GPU-" + stableUUID(fmt.Sprintf("%s/%d", spec, i)),
@@ -193,11 +197,12 @@ func (s *State) next() uint64 {
 
 // store is one state: in this process, or in a directory shared with other processes.
 type store struct {
-	mu     sync.Mutex
-	dir    string // "" = in memory
-	memory *State
-	cached []byte // the file's bytes when `parsed` was decoded from them
-	parsed *State
+	mu       sync.Mutex
+	dir      string // "" = in memory
+	procRoot string // for a new state
+	memory   *State
+	cached   []byte // the file's bytes when `parsed` was decoded from them
+	parsed   *State
 }
 
 // with runs fn on the current state under the store's locks and saves it if fn changed it.
@@ -206,7 +211,7 @@ func (st *store) with(spec string, fn func(*State) error) error {
 	defer st.mu.Unlock()
 	if st.dir == "" {
 		if st.memory == nil {
-			s, err := newState(spec)
+			s, err := newState(spec, st.procRoot)
 			if err != nil {
 				return err
 			}
@@ -231,7 +236,7 @@ func (st *store) with(spec string, fn func(*State) error) error {
 	var s *State
 	switch {
 	case os.IsNotExist(err):
-		if s, err = newState(spec); err != nil {
+		if s, err = newState(spec, st.procRoot); err != nil {
 			return err
 		}
 	case err != nil:
@@ -313,3 +318,37 @@ func (g *Gpu) reset() {
 func migCapable(c gpus.Config) bool { return len(c.MIGProfiles.GpuInstanceProfiles) > 0 }
 
 func requiresReset(c gpus.Config) bool { return c.Architecture < nvml.DEVICE_ARCH_HOPPER }
+
+// --- the kernel driver's capability files -----------------------------------------------------
+
+// capMinor is the nvidia-caps minor of a GPU instance (ci < 0) or compute instance.
+func capMinor(gpuMinor int, gi uint32, ci int) int {
+	return 1000 + 200*gpuMinor + 10*int(gi) + ci + 1
+}
+
+func (s *State) capsDir(gpu int, gi uint32) string {
+	return filepath.Join(s.ProcRoot, "driver", "nvidia", "capabilities",
+		fmt.Sprintf("gpu%d", s.Gpus[gpu].Minor), "mig", fmt.Sprintf("gi%d", gi))
+}
+
+func writeAccess(path string, minor int) {
+	_ = os.MkdirAll(filepath.Dir(path), 0o755)
+	_ = os.WriteFile(path, []byte(fmt.Sprintf("DeviceFileMinor: %d\nDeviceFileMode: 292\nDeviceFileModify: 1\n", minor)), 0o644)
+}
+
+// syncCaps makes the capability files match the GPU's instances, as the kernel driver keeps them.
+func (s *State) syncCaps(gpu int) {
+	if s.ProcRoot == "" {
+		return
+	}
+	g := &s.Gpus[gpu]
+	root := filepath.Join(s.ProcRoot, "driver", "nvidia", "capabilities", fmt.Sprintf("gpu%d", g.Minor), "mig")
+	_ = os.RemoveAll(root)
+	for _, gi := range g.Instances {
+		dir := s.capsDir(gpu, gi.ID)
+		writeAccess(filepath.Join(dir, "access"), capMinor(g.Minor, gi.ID, -1))
+		for _, ci := range gi.ComputeInstances {
+			writeAccess(filepath.Join(dir, fmt.Sprintf("ci%d", ci.ID), "access"), capMinor(g.Minor, gi.ID, int(ci.ID)))
+		}
+	}
+}
