@@ -278,8 +278,6 @@ class NvmlHealthSource:
         current: dict[str, tuple[Fault, ...]] | None = None
         try:
             while True:
-                if registered.unidentified:
-                    await asyncio.to_thread(self._identify, registered)
                 lost = await asyncio.to_thread(self._unreachable, registered)
                 now = int(self._clock())
                 for uuid in set(xids) - lost:
@@ -297,6 +295,8 @@ class NvmlHealthSource:
                 waiting = None
                 for event in events:
                     self._record(event, registered, xids, now=int(self._clock()))
+                if registered.unidentified:
+                    await asyncio.to_thread(self._identify, registered)
         finally:
             if waiting is not None:
                 with contextlib.suppress(Exception):
