@@ -169,14 +169,9 @@ def test_without_nvml_the_error_points_to_the_simulator(
 def test_open_backend_picks_the_simulator_or_nvml(tmp_path: Path, node: Node) -> None:
     simulated = open_backend("l4x4", tmp_path / "data", "node-a")
     assert isinstance(simulated, SimulatedBackend)
+    # No dev root given: the driver root holds /dev/nvidiactl, so its /dev is where the nodes are.
     real = open_backend(
-        None,
-        node.state,
-        "node-a",
-        sysfs_root=node.sysfs,
-        procfs_root=node.procfs,
-        dev_root=node.root,
-        driver_root=node.root,
+        None, node.state, "node-a", sysfs_root=node.sysfs, procfs_root=node.procfs, driver_root=node.root
     )
     node.backends.append(real)  # type: ignore[arg-type]
     assert isinstance(real, NvmlBackend)
