@@ -157,6 +157,7 @@ def open_health_source(
             poll_seconds=poll_seconds,
             clock=clock,
             known_gpus=backend.known_gpus(),
+            mig_mode_switches=backend.mig_mode_switches,
         )
     raise TypeError(f"no health source for the backend {type(backend).__name__}")
 
@@ -256,6 +257,10 @@ class NvmlHealthSource:
     A GPU NVML cannot identify at start (no handle or uuid) is tried again every period; while
     it cannot be watched, the GPU that the backend's inventory knows at that index is reported
     as unmonitored (``known_gpus``: uuid by NVML index).
+
+    Switching MIG mode may reset a GPU (nvml.h), which ends its event registrations: after the
+    backend switched one (``mig_mode_switches`` counts), the GPUs are registered again in a new
+    event set.
     """
 
     def __init__(
@@ -265,19 +270,29 @@ class NvmlHealthSource:
         poll_seconds: float = 0.5,
         clock: Callable[[], float] = time.time,
         known_gpus: Mapping[int, str] | None = None,
+        mig_mode_switches: Callable[[], int] = lambda: 0,
     ) -> None:
         self._ignored = _IgnoredXids(ignored_xids)
         self._timeout_ms = max(1, int(poll_seconds * 1000))
         self._clock = clock
         self._known_gpus = dict(known_gpus or {})
+        self._mig_mode_switches = mig_mode_switches
 
     async def watch(self) -> AsyncIterator[NodeFaults]:
+        switches = self._mig_mode_switches()
         registered = await asyncio.to_thread(self._register)
         waiting: asyncio.Task[list[_XidEvent]] | None = None
         xids: dict[str, list[Fault]] = {}
         current: dict[str, tuple[Fault, ...]] | None = None
         try:
             while True:
+                if self._mig_mode_switches() != switches:
+                    switches = self._mig_mode_switches()
+                    stale, registered = registered, await asyncio.to_thread(self._register)
+                    await asyncio.to_thread(_free_event_set, stale.event_set)
+                    log.info(
+                        "a GPU switched MIG mode, which may reset it: its Xid events are registered again"
+                    )
                 lost = await asyncio.to_thread(self._unreachable, registered)
                 now = int(self._clock())
                 for uuid in set(xids) - lost:

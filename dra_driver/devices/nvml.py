@@ -140,6 +140,7 @@ class NvmlBackend:
         self._mig_mode_file = state_dir / MIG_MODE_FILE if state_dir is not None else None
         self._known_gpus: dict[int, str] = {}
         self._owned_in_memory: set[str] = set()  # without a state directory
+        self._mig_mode_switches = 0
         if driver_root is not None:
             _preload_nvml(driver_root)
         try:
@@ -159,6 +160,11 @@ class NvmlBackend:
     def known_gpus(self) -> dict[int, str]:
         """The uuid of each GPU by NVML index, as the last inventory read them."""
         return dict(self._known_gpus)
+
+    def mig_mode_switches(self) -> int:
+        """How often this backend switched a GPU's MIG mode: each switch may have reset the GPU,
+        which ends its NVML event registrations (see :class:`~dra_driver.devices.health.NvmlHealthSource`)."""
+        return self._mig_mode_switches
 
     def create_mig_device(self, parent_uuid: str, profile_id: int, placement: Placement) -> MigDevice:
         return self._bounded(
@@ -616,6 +622,7 @@ class NvmlBackend:
             except pynvml.NVMLError as e:
                 log.error("mig_mode_pending_not_restored", gpu=gpu_uuid, error=str(e))
             raise pynvml.NVMLError(status)
+        self._mig_mode_switches += 1
         self._record_mig_mode_owner(gpu_uuid, owned=True)
         log.info("mig_mode_switched_on", gpu=gpu_uuid)
         return True
@@ -638,6 +645,7 @@ class NvmlBackend:
         except pynvml.NVMLError as e:
             log.warning("mig_mode_switch_off_failed", gpu=gpu_uuid, error=str(e))
             return
+        self._mig_mode_switches += 1
         self._record_mig_mode_owner(gpu_uuid, owned=False)
         log.info("mig_mode_switched_off", gpu=gpu_uuid)
 

@@ -24,7 +24,8 @@ package main
 //	fail FUNCTION CODE [count=N] [gpu=N]   calls fail with nvmlReturn_t CODE
 //	hang FUNCTION MS [count=N] [gpu=N]     calls block MS milliseconds first
 //	clear-faults
-//	renumber on|off                    MIG-mode switches change the GPU's minor number
+//	renumber on|off                    MIG-mode switches reset the GPU: its minor number changes and
+//	                                   its event registrations are lost
 //
 // FUNCTION is the C symbol (nvmlDeviceGetMemoryInfo) or "*". Failing with code 13
 // (FUNCTION_NOT_FOUND) is how an older driver that lacks the symbol looks to pynvml, which raises

@@ -485,7 +485,15 @@ func mockDeviceSetMigMode(device uintptr, mode C.uint, activation *C.nvmlReturn_
 		default:
 			g.MigCurrent = int(mode)
 			if s.RenumberOnMigSwitch {
+				// The switch reset the GPU: a new minor number, and the event registrations of
+				// this process's event sets for it are gone, as for a re-attached device.
 				g.Minor += renumberOffset
+				procMu.Lock()
+				for _, es := range eventSets {
+					delete(es.registered, gpu)
+					delete(es.cursor, gpu)
+				}
+				procMu.Unlock()
 			}
 		}
 		*activation = C.nvmlReturn_t(status)

@@ -9,9 +9,11 @@ from typing import Any
 
 import pynvml
 import pytest
+from structlog.testing import capture_logs
 
 from dra_driver.devices.health import Fault, FaultKind, NodeFaults, NvmlHealthSource, open_health_source
 from dra_driver.devices.nvml import NvmlBackend
+from dra_driver.devices.types import Placement
 from tests.mock_nvml import MockNvml, install_driver_root, install_procfs
 
 GUARD_S = 30  # against a hang only
@@ -115,3 +117,24 @@ async def test_a_gpu_nvml_cannot_identify_is_unmonitored_until_it_can(
 
 def test_the_nvml_backend_gets_the_nvml_health_source(backend: NvmlBackend) -> None:
     assert isinstance(open_health_source(backend), NvmlHealthSource)
+
+
+async def test_xids_still_arrive_after_a_mig_mode_switch_reset_the_gpu(
+    backend: NvmlBackend, mock: MockNvml
+) -> None:
+    mock.control("renumber on")  # the switch resets the GPU: its event registrations are gone
+    updates = watch(backend)
+    assert await next_report(updates) == {}
+    first = uuids(backend)[0]
+    with capture_logs() as logs:
+        await asyncio.to_thread(backend.create_mig_device, first, 0, Placement(0, 1))
+        pending = asyncio.ensure_future(anext(updates))
+        for _ in range(int(GUARD_S / POLL_S)):  # the watch registers again in its next period
+            if any("registered again" in entry["event"] for entry in logs):
+                break
+            await asyncio.sleep(POLL_S)
+        else:
+            pytest.fail("the health watch never registered the GPUs' events again")
+    mock.control("xid 0 48")  # lost if the watch had kept the registrations the reset ended
+    assert await asyncio.wait_for(pending, GUARD_S) == {first: (Fault(FaultKind.XID, T0, xid=48),)}
+    await updates.aclose()  # type: ignore[attr-defined]
