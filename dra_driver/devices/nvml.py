@@ -139,6 +139,7 @@ class NvmlBackend:
         self._call_timeout = call_timeout
         self._mig_mode_file = state_dir / MIG_MODE_FILE if state_dir is not None else None
         self._known_gpus: dict[int, str] = {}
+        self._last_read: dict[int, Gpu] = {}  # by NVML index, from the last inventory
         self._owned_in_memory: set[str] = set()  # without a state directory
         self._mig_mode_switches = 0
         if driver_root is not None:
@@ -228,15 +229,24 @@ class NvmlBackend:
             try:
                 gpus.append(self._gpu(index))
             except (pynvml.NVMLError, DeviceError) as e:
-                # One GPU that cannot be read must not take the node's other GPUs with it.
+                # One GPU that cannot be read must not take the node's other GPUs with it. One read
+                # before stays as it was last seen: it stays published, so that the health watch's
+                # taint (a lost GPU) has a device to go on and its pods are evicted.
+                error = _nvml_error(e, f"reading GPU {index}") if isinstance(e, pynvml.NVMLError) else e
+                last = self._last_read.get(index)
+                if last is not None:
+                    log.warning(
+                        "gpu_read_failed_kept_as_last_read", index=index, gpu=last.uuid, error=str(error)
+                    )
+                    gpus.append(last)
+                    continue
                 log.error(
                     "gpu_left_out_of_inventory",
                     index=index,
-                    error=str(
-                        _nvml_error(e, f"reading GPU {index}") if isinstance(e, pynvml.NVMLError) else e
-                    ),
+                    error=str(error),
                     hint="the GPU is not published until it answers; check `nvidia-smi -i INDEX` and dmesg",
                 )
+        self._last_read = {gpu.index: gpu for gpu in gpus}
         self._known_gpus = {gpu.index: gpu.uuid for gpu in gpus}
         return Inventory(
             gpus=tuple(gpus),

@@ -459,3 +459,12 @@ def test_after_a_reboot_mig_mode_the_driver_switched_on_goes_off(
     node.control("reboot")  # MIG mode persists, instances do not
     first, second = node.backend().inventory().gpus
     assert (first.mig_enabled, second.mig_enabled) == (False, True)
+
+
+def test_a_gpu_lost_later_stays_as_last_read_so_its_taint_has_a_device(node: Node) -> None:
+    backend = node.backend()
+    before = backend.inventory()
+    node.control("lose 1")
+    with capture_logs() as logs:
+        assert backend.inventory().gpus == before.gpus
+    assert [e["index"] for e in logs if e["event"] == "gpu_read_failed_kept_as_last_read"] == [1]
