@@ -91,3 +91,22 @@ def test_an_xid_from_nvml_taints_the_gpu_until_the_plugin_restarts(rest: RestCli
         timeout_seconds=TIMEOUT_S,
         waiting_for="gpu-2 untainted after the restart",
     )
+
+
+def test_a_gpu_nvml_loses_is_tainted_noexecute_and_untainted_once_reset(
+    rest: RestClient, node: GpuNode
+) -> None:
+    hardware(node, "lose 5")  # NVML answers GPU_IS_LOST for it from now on
+
+    def taints() -> set[tuple[str, str]]:
+        return {
+            (t["key"], t["effect"]) for t in published_devices(rest, node.name)["gpu-5"].get("taints", [])
+        }
+
+    wait_until(
+        lambda: (f"{DRIVER_NAME}/gpu-lost", "NoExecute") in taints(),
+        timeout_seconds=TIMEOUT_S,
+        waiting_for="gpu-5 tainted as lost",
+    )
+    hardware(node, "reset 5")
+    wait_until(lambda: not taints(), timeout_seconds=TIMEOUT_S, waiting_for="gpu-5 untainted after its reset")
