@@ -26,6 +26,7 @@ from dra_driver.devices.sim_nodes import NODE_PROFILES
 from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import Gpu
 from dra_driver.log import configure
+from dra_driver.node.checkpoint import BootIdUnavailable, CheckpointFromNewerDriver
 from dra_driver.resources.pool import PoolOwner, plan_pool
 
 # The settings the offline commands honour; the daemon takes them all.
@@ -111,7 +112,7 @@ def _kubelet_plugin(args: argparse.Namespace) -> int:
         return 2
     try:
         asyncio.run(run_plugin(settings))
-    except DeviceError as err:
+    except (DeviceError, BootIdUnavailable, CheckpointFromNewerDriver) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     return 0

@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,27 @@ class SpecStore:
             if _is_claim_uid(uid) and entry.is_file(follow_symlinks=False):
                 uids.add(uid)
         return uids
+
+    def remove_leftover_temps(self, older_than_s: float = 60.0) -> int:
+        """Remove temporary files of writes a crash interrupted; returns how many.
+
+        Only files older than ``older_than_s`` go: a younger one may belong to a write in
+        progress by the other plugin instance of a rolling update.
+        """
+        try:
+            entries = list(os.scandir(self._dir))
+        except FileNotFoundError:
+            return 0
+        deadline = time.time() - older_than_s
+        removed = 0
+        for entry in entries:
+            if not (entry.name.startswith("." + self._prefix) and entry.name.endswith(".tmp")):
+                continue
+            with contextlib.suppress(FileNotFoundError):  # its writer renamed it meanwhile
+                if entry.stat(follow_symlinks=False).st_mtime <= deadline:
+                    os.unlink(entry.path)
+                    removed += 1
+        return removed
 
     def read(self, claim_uid: str) -> dict[str, Any] | None:
         """The claim's spec as written, or None when it has none."""
