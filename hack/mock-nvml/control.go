@@ -49,17 +49,18 @@ import (
 func mockNvmlConfigure(machine, stateDir, procRoot *C.char) C.int {
 	procMu.Lock()
 	defer procMu.Unlock()
+	spec := C.GoString(machine)
+	if spec == "" {
+		spec = os.Getenv(envMachine)
+	}
+	if spec == "" {
+		spec = "dgxh100"
+	}
+	if _, err := machineModel(spec); err != nil {
+		return 1 // the process keeps the machine it had
+	}
 	initCount = 0 // whatever a previous user left initialised
-	procSpec = C.GoString(machine)
-	if procSpec == "" {
-		procSpec = os.Getenv(envMachine)
-	}
-	if procSpec == "" {
-		procSpec = "dgxh100"
-	}
-	if _, err := machineModel(procSpec); err != nil {
-		return 1
-	}
+	procSpec = spec
 	procStore = &store{dir: C.GoString(stateDir), procRoot: C.GoString(procRoot)}
 	eventSets = map[uint32]*eventSet{}
 	return 0
