@@ -80,15 +80,17 @@ class DriverProcess:
         log: Path,
         profile: str = "dgx-h100",
         extra_args: Sequence[str] = (),
+        driver_name: str = DRIVER_NAME,
     ) -> None:
         self.node_name = node_name
+        self.driver_name = driver_name
         self.paths = paths
         self.profile = profile
         self._kubeconfig = kubeconfig
         self._extra_args = tuple(extra_args)
         self._daemon = Daemon(f"dra-driver[{node_name}]", log)
         self._port: int | None = None
-        self.specs = SpecStore(paths.cdi, DRIVER_NAME)
+        self.specs = SpecStore(paths.cdi, driver_name)
 
     @property
     def daemon(self) -> Daemon:
@@ -166,6 +168,7 @@ class DriverProcess:
             "dra_driver",
             "kubelet-plugin",
             f"--node-name={self.node_name}",
+            f"--driver-name={self.driver_name}",
             f"--simulate={self.profile}",
             f"--kubeconfig={self._kubeconfig}",
             f"--plugins-dir={paths.plugins}",

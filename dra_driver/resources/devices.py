@@ -46,6 +46,8 @@ from dra_driver.resources.wire import (
 
 PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
 PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
+# NVIDIA's driver published the bus id under its own domain up to v25.8; claims may still use it.
+LEGACY_PCIE_BUS_ID = "pcieBusID"
 DEVICE_TAINTS_MAX = 16  # per device, API limit
 
 VERSION_MAX_LENGTH = 64  # API limit for string and version attribute values
@@ -207,20 +209,35 @@ def _common_attributes(inventory: Inventory, gpu: Gpu) -> dict[str, DeviceAttrib
     }
     if gpu.pci_bus_id:
         attributes[PCI_BUS_ID] = {"string": gpu.pci_bus_id}
+        attributes[LEGACY_PCIE_BUS_ID] = {"string": gpu.pci_bus_id}
     if gpu.pcie_root:
         attributes[PCIE_ROOT] = {"string": gpu.pcie_root}
+    if gpu.addressing_mode:
+        attributes["addressingMode"] = {"string": gpu.addressing_mode}
     return attributes
 
 
 def _full_gpu(gpu: Gpu, common: dict[str, DeviceAttribute]) -> Device:
+    capacity = {"memory": _capacity(gpu.memory_bytes), "multiprocessors": _capacity(gpu.multiprocessors)}
+    if gpu.mig_profiles:
+        # NVIDIA's driver (with its DynamicMIG gate) gives a MIG-capable GPU the largest of each
+        # engine count its profiles have: the GPU whole has at least what its largest part has.
+        for name, count in _ENGINE_CAPACITIES.items():
+            capacity[name] = _capacity(max(count(p) for p in gpu.mig_profiles))
     return {
         "name": require_dns_label(gpu_device_name(gpu.minor), "device name"),
         "attributes": {"type": {"string": "gpu"}, "uuid": {"string": gpu.uuid}, **common},
-        "capacity": {
-            "memory": _capacity(gpu.memory_bytes),
-            "multiprocessors": _capacity(gpu.multiprocessors),
-        },
+        "capacity": capacity,
     }
+
+
+_ENGINE_CAPACITIES: dict[str, Callable[[MigProfile], int]] = {
+    "copyEngines": lambda p: p.copy_engines,
+    "decoders": lambda p: p.decoders,
+    "encoders": lambda p: p.encoders,
+    "jpegEngines": lambda p: p.jpeg_engines,
+    "ofaEngines": lambda p: p.ofa_engines,
+}
 
 
 def _mig_device(
@@ -237,19 +254,20 @@ def _mig_device(
         attributes["uuid"] = {"string": uuid}
     attributes |= {"profile": {"string": profile.name}, "parentUUID": {"string": gpu.uuid}, **common}
     name = mig_device_name(gpu.minor, profile.name, profile.profile_id, placement.start)
-    return {
-        "name": require_dns_label(name, "MIG device name"),
-        "attributes": attributes,
-        "capacity": {
-            "multiprocessors": _capacity(profile.multiprocessors),
-            "copyEngines": _capacity(profile.copy_engines),
-            "decoders": _capacity(profile.decoders),
-            "encoders": _capacity(profile.encoders),
-            "jpegEngines": _capacity(profile.jpeg_engines),
-            "ofaEngines": _capacity(profile.ofa_engines),
-            "memory": _capacity(profile.memory_bytes),
-        },
+    capacity = {
+        "multiprocessors": _capacity(profile.multiprocessors),
+        "copyEngines": _capacity(profile.copy_engines),
+        "decoders": _capacity(profile.decoders),
+        "encoders": _capacity(profile.encoders),
+        "jpegEngines": _capacity(profile.jpeg_engines),
+        "ofaEngines": _capacity(profile.ofa_engines),
+        "memory": _capacity(profile.memory_bytes),
     }
+    if uuid is not None:
+        # As NVIDIA's driver does for a MIG device that exists: the memory slices it occupies.
+        capacity |= {f"memorySlice{i}": _capacity(1) for i in placement.memory_slices}
+    name = require_dns_label(name, "MIG device name")
+    return {"name": name, "attributes": attributes, "capacity": capacity}
 
 
 def _profile_of(gpu: Gpu, mig: MigDevice) -> MigProfile:

@@ -177,6 +177,15 @@ class FakeNvml:
     def nvmlDeviceGetMinorNumber(self, gpu):
         return gpu.minor
 
+    def nvmlDeviceGetAddressingMode(self, gpu):
+        modes = {
+            "None": pynvml.NVML_DEVICE_ADDRESSING_MODE_NONE,
+            "ATS": pynvml.NVML_DEVICE_ADDRESSING_MODE_ATS,
+        }
+        if gpu.model.addressing_mode is None:
+            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return modes[gpu.model.addressing_mode]
+
     # --- MIG mode and profiles ---
 
     def nvmlDeviceGetMigMode(self, gpu):
@@ -452,6 +461,13 @@ def test_full_gpus_are_described_from_nvml(host, install):
     assert (l4.mig_profiles, l4.memory_slices, l4.mig_mode_change_requires_reset) == ((), 0, False)
     assert inventory.driver_version == "580.95.05"
     assert inventory.cuda_driver_version == (12, 8)
+    assert h100.addressing_mode is None  # an x86 node: NVML has no addressing mode to report
+
+
+def test_a_grace_system_reports_its_addressing_mode(host, install):
+    install(_fake(host, "gb200"))
+    (gb200,) = host.backend().inventory().gpus
+    assert gb200.addressing_mode == "ATS"
 
 
 def test_ampere_is_known_to_need_a_reset_for_mig_mode(host, install):
