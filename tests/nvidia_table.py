@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+COMPATIBILITY_DOC = Path(__file__).resolve().parents[1] / "docs" / "nvidia-compatibility.md"
 BEGIN = "<!-- BEGIN NVIDIA ATTRIBUTES"
 END = "<!-- END NVIDIA ATTRIBUTES -->"
 _CODE = re.compile(r"^`(.*)`$")
@@ -32,7 +33,7 @@ class Row:
         return "value" if self.kind == "capacity" else self.type
 
 
-def read_table(markdown: Path) -> list[Row]:
+def read_table(markdown: Path = COMPATIBILITY_DOC) -> list[Row]:
     """The rows between the table's markers; ValueError for a row that does not parse."""
     text = markdown.read_text()
     try:

@@ -8,7 +8,6 @@ that the table leaves out, so the table is the complete list.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
@@ -17,8 +16,7 @@ from dra_driver.resources.devices import build_devices
 from dra_driver.resources.wire import Device
 from tests.nvidia_table import Row, read_table
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "nvidia-compatibility.md"
-ROWS = read_table(DOC)
+ROWS = read_table()
 OURS_ONLY = {"vendor", "pciVendorID", "pciDeviceID"}  # the doc's "Added by this driver"
 MAX_ATTRIBUTES_AND_CAPACITIES = 32  # per device, resource.k8s.io/v1
 
