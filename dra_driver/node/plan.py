@@ -22,10 +22,12 @@ be seconds old, and the hardware refuses an overlap when the device is created.
 
 Admin access (a monitoring or maintenance pod in a namespace labelled
 ``resource.kubernetes.io/admin-access: "true"``) resolves like any other allocation but
-never to a MIG device to create: it looks at a device some workload may be using, so it
-gets that device as it is, announced by ``DRA_GPU_ADMIN_ACCESS_<DEVICE>=true``. The
-checkpoint does not count it against the device (:mod:`dra_driver.node.state`), so
-unpreparing it leaves the workload's claim alone.
+never to a MIG device to create. A GPU's maintenance device, ``gpu-<minor>-maintenance``
+(``dra_driver.resources.devices.maintenance_device``), resolves to the whole GPU, for
+admin access only, also in MIG mode. Either way admin access looks at a device some
+workload may be using, so it gets that device as it is, announced by
+``DRA_GPU_ADMIN_ACCESS_<DEVICE>=true``. The checkpoint does not count it against the device
+(:mod:`dra_driver.node.state`), so unpreparing it leaves the workload's claim alone.
 
 What the sharing settings do. They are validated (also against the device, e.g. an
 MPS memory limit larger than the device), recorded in the checkpoint, and announced
@@ -83,7 +85,7 @@ from dra_driver.node.config import (
     winning_configs,
 )
 from dra_driver.resources.devices import PartitionPolicy, offers_partitions, partition_all
-from dra_driver.resources.naming import gpu_device_name, mig_device_name
+from dra_driver.resources.naming import gpu_device_name, maintenance_device_name, mig_device_name
 
 ADMIN_ACCESS_ENV_PREFIX = "DRA_GPU_ADMIN_ACCESS_"
 
@@ -338,6 +340,13 @@ def _resolve(
                     "the claim was allocated from a stale ResourceSlice and needs a new allocation"
                 )
             return Target(gpu)
+        if device == maintenance_device_name(gpu.minor):
+            if not result.admin_access:
+                raise ClaimRejected(
+                    f"device {device} is for admin access only (it shares {gpu_device_name(gpu.minor)} "
+                    "with its workloads); request it with adminAccess: true, or use the GPU class"
+                )
+            return Target(gpu)  # the whole GPU as it is, in MIG mode or not: looked at, never changed
         for profile in gpu.mig_profiles:
             for placement in profile.placements:
                 if device == mig_device_name(gpu.minor, profile.name, profile.profile_id, placement.start):

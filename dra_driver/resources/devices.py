@@ -30,6 +30,7 @@ from dra_driver.devices.types import Gpu, Inventory, MigDevice, MigProfile, Plac
 from dra_driver.resources.naming import (
     counter_set_name,
     gpu_device_name,
+    maintenance_device_name,
     memory_slice_counter,
     mig_device_name,
     require_dns_label,
@@ -107,6 +108,7 @@ def build_devices(
     partition: PartitionPolicy = partition_all,
     owned_mig_uuids: Collection[str] = frozenset(),
     taints: Mapping[str, Sequence[DeviceTaint]] | None = None,
+    maintenance: bool = False,
 ) -> list[GpuDevices]:
     """The devices of every GPU in ``inventory``, ordered by minor number.
 
@@ -114,10 +116,16 @@ def build_devices(
     hardware also allows it (see :func:`offers_partitions`). ``owned_mig_uuids`` are the MIG
     devices the driver created for claims; every other MIG device is static. ``taints`` maps a
     device name to the taints to publish on it (names not published here are ignored).
+    ``maintenance`` adds each GPU's maintenance device (see :func:`maintenance_device`).
     """
     result: list[GpuDevices] = []
     for gpu in sorted(inventory.gpus, key=lambda g: g.minor):
         gpu_devices = _gpu_devices(inventory, gpu, partition(gpu) and offers_partitions(gpu), owned_mig_uuids)
+        if maintenance:
+            gpu_devices = GpuDevices(
+                devices=(*gpu_devices.devices, maintenance_device(inventory, gpu)),
+                counter_set=gpu_devices.counter_set,
+            )
         if taints:
             gpu_devices = GpuDevices(
                 devices=tuple(
@@ -215,6 +223,31 @@ def _common_attributes(inventory: Inventory, gpu: Gpu) -> dict[str, DeviceAttrib
     if gpu.addressing_mode:
         attributes["addressingMode"] = {"string": gpu.addressing_mode}
     return attributes
+
+
+MAINTENANCE_TYPE = "maintenance"
+
+
+def maintenance_device(inventory: Inventory, gpu: Gpu) -> Device:
+    """``gpu-<minor>-maintenance``: the whole GPU for admin access, consuming no counters.
+
+    The Kubernetes 1.37 scheduler counts an admin-access claim against the shared counters it
+    consumes (kubernetes/kubernetes#140729), so admin access to a GPU whose counters a workload
+    holds (any of its MIG devices, or the GPU itself) waits for the workload. This device stands
+    for the same GPU without counters. It must never reach an ordinary claim, which would then share
+    the GPU unaccounted: its ``type`` is one no ordinary DeviceClass selects, the chart's admission
+    policy refuses any request for its class without ``adminAccess``, and prepare refuses it too.
+    """
+    attributes: dict[str, DeviceAttribute] = {
+        "type": {"string": MAINTENANCE_TYPE},
+        "uuid": {"string": gpu.uuid},
+        **_common_attributes(inventory, gpu),
+    }
+    return {
+        "name": require_dns_label(maintenance_device_name(gpu.minor), "device name"),
+        "attributes": attributes,
+        "capacity": {"memory": _capacity(gpu.memory_bytes)},
+    }
 
 
 def _full_gpu(gpu: Gpu, common: dict[str, DeviceAttribute]) -> Device:

@@ -37,6 +37,11 @@ def gpu_device_name(minor: int) -> str:
     return f"gpu-{minor}"
 
 
+def maintenance_device_name(minor: int) -> str:
+    """``gpu-<minor>-maintenance``: the GPU for admin access, outside its counters (not NVIDIA's)."""
+    return f"gpu-{minor}-maintenance"
+
+
 def mig_profile_label(profile: str) -> str:
     """``"1g.10gb+me"`` -> ``"1g10gb-me"``: dots dropped, anything else a label can't hold -> '-'."""
     return _NOT_IN_LABEL.sub("-", profile.lower().replace(".", "")).strip("-")
