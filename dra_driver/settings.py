@@ -138,6 +138,13 @@ class Settings(BaseSettings):
             "or a comma-separated list of GPU UUIDs or minor numbers."
         ),
     ] = "all"
+    maintenance_devices: Annotated[
+        bool,
+        Field(
+            description="Publish a counter-free gpu-<minor>-maintenance device per GPU that only "
+            "admin-access claims may get (kubernetes/kubernetes#140729); false once the scheduler is fixed."
+        ),
+    ] = True
     inventory_refresh_seconds: Annotated[
         float,
         Field(

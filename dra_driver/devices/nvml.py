@@ -361,6 +361,7 @@ class NvmlBackend:
             pci_vendor_id=vendor_id,
             device_node=self._device_node(f"nvidia{minor}", (NVIDIA_MAJOR, minor)),
             pcie_root=self._pcie_root(bus_id),
+            addressing_mode=addressing_mode(handle),
             mig_capable=mig_mode is not None,
             mig_enabled=mig_enabled,
             mig_mode_change_requires_reset=mig_mode is not None and architecture < ARCHITECTURE_HOPPER,
@@ -768,3 +769,23 @@ def _preload_nvml(driver_root: Path) -> None:
         ctypes.CDLL(str(driver_root / found), mode=ctypes.RTLD_GLOBAL)
     except OSError as e:
         raise DeviceError(f"cannot load {driver_root / found}: {e}; check the driver root") from e
+
+
+_ADDRESSING_MODES = {
+    pynvml.NVML_DEVICE_ADDRESSING_MODE_NONE: "None",
+    pynvml.NVML_DEVICE_ADDRESSING_MODE_HMM: "HMM",
+    pynvml.NVML_DEVICE_ADDRESSING_MODE_ATS: "ATS",
+}
+
+
+def addressing_mode(handle: Any) -> str | None:
+    """NVML's memory addressing mode as NVIDIA's driver publishes it, or None where there is none.
+
+    Only coherent-memory platforms (Grace) have one; a driver without the call (older than
+    the 580 series) or a platform without the feature means no attribute, as in go-nvlib.
+    """
+    try:
+        mode = pynvml.nvmlDeviceGetAddressingMode(handle)
+    except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
+        return None
+    return _ADDRESSING_MODES.get(mode)
