@@ -5,7 +5,7 @@ PYTHON ?= .venv/bin/python
 HELM = $$(hack/build-kube.sh helm | sed -n 's/^HELM_BIN_DIR=//p')/helm
 CHART = charts/dra-driver-gpu
 
-.PHONY: help venv demo test lint unit e2e bench gen gen-check kube-build cluster-up cluster-down cluster-status
+.PHONY: help venv demo test lint unit e2e bench gen gen-check kube-build cluster-up cluster-down cluster-status image deps
 
 ## help: list the targets
 help:
@@ -58,6 +58,15 @@ gen-check: venv
 ## harness, etcd and helm into the version-keyed cache (only what is missing or stale)
 kube-build:
 	hack/build-kube.sh >/dev/null
+
+## deps: install the Debian packages the real node and `make image` need (only those missing; root)
+deps:
+	hack/install-deps.sh
+
+## image: the driver's image, a pause and a workload image as OCI archives in _output/images (root;
+## no Docker, no registry: umoci + mmdebstrap; the Debian part is cached in ~/.cache/dra-driver)
+image: venv deps
+	hack/build-image.sh
 
 ## cluster-up: start a local control plane in the background; admin kubeconfig in _output/kubeconfig
 cluster-up: venv kube-build
