@@ -69,8 +69,9 @@ image: venv deps
 	hack/build-image.sh
 
 ## cluster-up: start a local control plane in the background; admin kubeconfig in _output/kubeconfig
+## (NODE=real: also a real node, kubelet + containerd + runc, as root; needs `make image` first)
 cluster-up: venv kube-build
-	$(PYTHON) -m e2e.cluster up
+	$(PYTHON) -m e2e.cluster up $(if $(NODE),--node $(NODE))
 
 ## cluster-down: stop every process cluster-up started
 cluster-down:
