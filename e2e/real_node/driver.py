@@ -32,6 +32,7 @@ class DriverRelease:
     node: RealNode
     helm: Path
     tag: str
+    installed: bool = True
 
     def helm_run(self, *args: str, timeout: float = 180) -> str:
         result = subprocess.run(
@@ -97,6 +98,9 @@ class DriverRelease:
         return found
 
     def uninstall(self) -> None:
+        if not self.installed:
+            return
+        self.installed = False
         self.helm_run("uninstall", RELEASE, "--namespace", NAMESPACE, "--wait", "--timeout", "120s")
 
     # --- what the driver leaves on the node -----------------------------------------------------
