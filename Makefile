@@ -5,7 +5,7 @@ PYTHON ?= .venv/bin/python
 HELM = $$(hack/build-kube.sh helm | sed -n 's/^HELM_BIN_DIR=//p')/helm
 CHART = charts/dra-driver-gpu
 
-.PHONY: help venv demo test lint unit e2e bench gen gen-check kube-build cluster-up cluster-down cluster-status image deps
+.PHONY: help venv demo demo-real test lint unit e2e bench gen gen-check kube-build cluster-up cluster-down cluster-status image deps
 
 ## help: list the targets
 help:
@@ -34,8 +34,9 @@ lint: venv
 unit: venv kube-build
 	$(PYTHON) -m pytest tests
 
-## e2e: integration and end-to-end tests against the real control plane and the kubelet harness
-e2e: venv kube-build
+## e2e: integration and end-to-end tests against the real control plane and the kubelet harness, and
+## (e2e/real_node, root) the chart's image on a real kubelet + containerd + runc
+e2e: venv kube-build image
 	$(PYTHON) -m pytest e2e
 
 ## bench: prepare latency, throughput, start-up and RSS; writes _output/bench.json
@@ -72,6 +73,11 @@ image: venv deps
 ## (NODE=real: also a real node, kubelet + containerd + runc, as root; needs `make image` first)
 cluster-up: venv kube-build
 	$(PYTHON) -m e2e.cluster up $(if $(NODE),--node $(NODE))
+
+## demo-real: a real node (kubelet + containerd + runc, root), the chart installed with the built
+## image, and real containers printing their GPU view
+demo-real: venv kube-build image
+	$(PYTHON) hack/demo_real.py
 
 ## cluster-down: stop every process cluster-up started
 cluster-down:
