@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -33,6 +34,11 @@ class _Layout:
 
 
 def up(layout: _Layout, node: str = "none") -> int:
+    if node == "real" and os.geteuid() != 0:
+        from e2e.realnode.node import NEEDS_ROOT
+
+        print(f"cluster up: {NEEDS_ROOT}", file=sys.stderr)
+        return 1
     recorded = layout.recorded()
     if recorded is not None:
         if all(processes.is_running(p) for p in recorded.processes):

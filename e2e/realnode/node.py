@@ -42,6 +42,7 @@ REQUIRED_CGROUP_CONTROLLERS = ("cpu", "cpuacct", "cpuset", "memory", "pids", "de
 NODE_LABELS: Mapping[str, str] = {"nvidia.com/gpu.present": "true"}
 DEFAULT_PROFILE = "dgx-h100"
 _STOP_GRACE_SECONDS = 60.0
+NEEDS_ROOT = "a real node needs root (mount namespaces, cgroups, mknod, containers); run as root"
 
 
 class RealNodeError(RuntimeError):
@@ -87,20 +88,18 @@ def ensure_real_node_binaries() -> RealNodeBinaries:
     )
 
 
-def preflight(base: Path) -> None:
+def preflight(
+    base: Path, *, filesystems: Path = Path("/proc/filesystems"), cgroups: Path = Path("/sys/fs/cgroup")
+) -> None:
     """One clear line for each thing that would make the node fail later and obscurely."""
     if os.geteuid() != 0:
-        raise RealNodeError(
-            "a real node needs root (mount namespaces, cgroups, mknod, containers); run as root"
-        )
-    if "overlay" not in Path("/proc/filesystems").read_text().split():
-        raise RealNodeError("the kernel has no overlayfs (not in /proc/filesystems); containerd needs it")
-    missing = [
-        c for c in REQUIRED_CGROUP_CONTROLLERS if not (Path("/sys/fs/cgroup") / c / "cgroup.procs").exists()
-    ]
+        raise RealNodeError(NEEDS_ROOT)
+    if "overlay" not in filesystems.read_text().split():
+        raise RealNodeError(f"the kernel has no overlayfs (not in {filesystems}); containerd needs it")
+    missing = [c for c in REQUIRED_CGROUP_CONTROLLERS if not (cgroups / c / "cgroup.procs").exists()]
     if missing:
         raise RealNodeError(
-            f"cgroup v1 controllers not mounted under /sys/fs/cgroup: {', '.join(missing)} "
+            f"cgroup v1 controllers not mounted under {cgroups}: {', '.join(missing)} "
             "(this real node supports cgroup v1 hierarchies only)"
         )
     for tool in ("unshare", "mount", "ip"):
@@ -153,7 +152,9 @@ class RealNode:
         images: Mapping[str, ImageArchive] | None = None,
         profile: str = DEFAULT_PROFILE,
         die_with_parent: bool = True,
+        kubelet_port: int | None = None,
     ) -> None:
+        self._kubelet_port = kubelet_port
         if cluster.node_token is None or cluster.kubelet_client_ca_file is None:
             raise RealNodeError(
                 "the control plane was not started for real nodes (ControlPlane(real_nodes=True))"
@@ -184,6 +185,7 @@ class RealNode:
 
     def _start(self, deadline: float) -> NodeLayout:
         kubelet_port, healthz_port = free_ports(2)
+        kubelet_port = self._kubelet_port or kubelet_port
         service_ip, service_port = _kubernetes_service(self.cluster)
         settable = features.settable_gates(self.binaries.kubelet)
         layout = NodeLayout(
