@@ -37,6 +37,7 @@ unit: venv kube-build
 ## e2e: integration and end-to-end tests against the real control plane and the kubelet harness, and
 ## (e2e/real_node, root) the chart's image on a real kubelet + containerd + runc
 e2e: venv kube-build image
+	hack/build-kube.sh kubelet containerd >/dev/null
 	$(PYTHON) -m pytest e2e
 
 ## bench: prepare latency, throughput, start-up and RSS; writes _output/bench.json
@@ -77,6 +78,7 @@ cluster-up: venv kube-build
 ## demo-real: a real node (kubelet + containerd + runc, root), the chart installed with the built
 ## image, and real containers printing their GPU view
 demo-real: venv kube-build image
+	hack/build-kube.sh kubelet containerd >/dev/null
 	$(PYTHON) hack/demo_real.py
 
 ## cluster-down: stop every process cluster-up started
