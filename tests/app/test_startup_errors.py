@@ -312,6 +312,15 @@ def test_every_bad_setting_is_named_in_one_line(node: Node) -> None:
     one_line_error(result, 2, "DRA_HEALTH_POLL_SECONDS", "DRA_INVENTORY_REFRESH_SECONDS", "'soon'")
 
 
+def test_a_misspelt_env_var_is_warned_about(node: Node) -> None:
+    # DRA_MIG_PARTITION (no S) would silently leave MIG partitions on every GPU.
+    result = node.plugin("--http-address=192.0.2.1:8080", env={"DRA_MIG_PARTITION": "0"})
+    warning, error = result.stderr.splitlines()
+    assert "DRA_MIG_PARTITION" in warning
+    assert "names no setting" in warning
+    assert error.startswith("error: cannot listen")
+
+
 # --- in a pod -------------------------------------------------------------------------------------
 
 
