@@ -5,7 +5,7 @@ PYTHON ?= .venv/bin/python
 HELM = $$(hack/build-kube.sh helm | sed -n 's/^HELM_BIN_DIR=//p')/helm
 CHART = charts/dra-driver-gpu
 
-.PHONY: help venv demo test lint unit e2e bench gen gen-check kube-build cluster-up cluster-down cluster-status
+.PHONY: help venv demo test lint unit e2e bench reliability gen gen-check kube-build cluster-up cluster-down cluster-status
 
 ## help: list the targets
 help:
@@ -41,6 +41,11 @@ e2e: venv kube-build
 ## bench: prepare latency, throughput, start-up and RSS; writes _output/bench.json
 bench: venv kube-build
 	$(PYTHON) -m bench.prepare_bench
+
+## reliability: the fault suite at full size (kill -9, API server outage, full disk, two instances,
+## fuzzing), about 20 minutes; writes _output/reliability.json (`make test` runs a CI-sized subset)
+reliability: venv kube-build
+	$(PYTHON) -m e2e.reliability
 
 ## gen: regenerate the committed generated code and docs (protobuf, config JSON schema, settings table)
 gen: venv

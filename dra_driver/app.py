@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import structlog
-from kubernetes.aio import client as kube_client
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from dra_driver import kube
 from dra_driver.cdi.spec import CommonEdits, common_edits
 from dra_driver.cdi.store import SpecStore
 from dra_driver.devices.backend import Backend, DeviceError
@@ -58,6 +60,9 @@ from dra_driver.startup import (
     load_kube_configuration,
     start_status_server,
 )
+
+if TYPE_CHECKING:  # only for the annotations: dra_driver.kube imports the client's machinery
+    from kubernetes.aio.client import ApiClient
 
 log = structlog.get_logger("dra_driver.app")
 
@@ -119,21 +124,32 @@ def edits_for(settings: Settings, inventory: Inventory) -> CommonEdits:
     return common_edits(inventory, files)
 
 
-async def api_client(settings: Settings) -> kube_client.ApiClient:
+async def api_client(settings: Settings) -> ApiClient:
     """A client of the API server: from the kubeconfig if one is set, else the pod's service account."""
-    configuration = kube_client.Configuration()
+    configuration = kube.Configuration()
     await load_kube_configuration(settings.kubeconfig, configuration)
-    return kube_client.ApiClient(configuration)
+    return kube.ApiClient(configuration)
 
 
-async def node_uid(api: kube_client.ApiClient, node_name: str) -> str | None:
+async def node_uid(api: ApiClient, node_name: str) -> str | None:
     """The Node's UID for the slices' owner reference; ``None`` (no owner) if it cannot be read yet."""
     try:
-        node = await kube_client.CoreV1Api(api).read_node(node_name)
+        request = await api.param_serialize(
+            method="GET",
+            resource_path="/api/v1/nodes/{name}",
+            path_params={"name": node_name},
+            header_params={"Accept": "application/json"},
+            auth_settings=["BearerToken"],
+        )
+        response: Any = await api.call_api(*request, _request_timeout=10)
+        body = await response.read()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {body[:200].decode(errors='replace')}")
+        uid = json.loads(body)["metadata"]["uid"]
     except Exception as err:  # an outage must not stop the node from serving claims
         log.warning("node not readable; slices get no owner reference", node=node_name, error=str(err))
         return None
-    return node.metadata.uid if node.metadata else None
+    return uid if isinstance(uid, str) else None
 
 
 class InventoryWatch:
@@ -298,7 +314,7 @@ async def _serve(
     settings: Settings,
     backend: Backend,
     inventory: Inventory,
-    api: kube_client.ApiClient,
+    api: ApiClient,
     metrics: Metrics,
     status: StatusServer | None,
     stop: asyncio.Event,

@@ -15,9 +15,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from kubernetes.aio import client as kube_client
-from kubernetes.aio import config as kube_config
-
+from dra_driver import kube
 from dra_driver.devices.types import Inventory
 from dra_driver.errors import StartupError
 from dra_driver.http import StatusServer
@@ -73,14 +71,14 @@ def check_writable_dir(directory: Path, setting: str, *, mode: int = 0o777) -> N
         ) from err
 
 
-async def load_kube_configuration(kubeconfig: Path | None, configuration: kube_client.Configuration) -> None:
+async def load_kube_configuration(kubeconfig: Path | None, configuration: kube.Configuration) -> None:
     """Fill ``configuration`` from ``kubeconfig``, or from the pod's service account when it is None."""
     if kubeconfig is not None:
         await _load_kubeconfig(kubeconfig, configuration)
         return
     try:
-        kube_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-    except kube_config.ConfigException as err:
+        kube.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+    except kube.ConfigException as err:
         outside = "KUBERNETES_SERVICE_HOST" not in os.environ
         raise StartupError(
             "no --kubeconfig / DRA_KUBECONFIG is set and this is not a pod (KUBERNETES_SERVICE_HOST "
@@ -91,7 +89,7 @@ async def load_kube_configuration(kubeconfig: Path | None, configuration: kube_c
         ) from err
 
 
-async def _load_kubeconfig(path: Path, configuration: kube_client.Configuration) -> None:
+async def _load_kubeconfig(path: Path, configuration: kube.Configuration) -> None:
     where = f"kubeconfig {path} (--kubeconfig / DRA_KUBECONFIG)"
     try:
         with path.open("rb"):  # the client reports a missing file as "Expected key current-context"
@@ -99,7 +97,7 @@ async def _load_kubeconfig(path: Path, configuration: kube_client.Configuration)
     except OSError as err:
         raise StartupError(f"cannot read {where}: {err.strerror}; set it to a readable kubeconfig") from err
     try:
-        await kube_config.load_kube_config(  # type: ignore[no-untyped-call]
+        await kube.load_kube_config(  # type: ignore[no-untyped-call]
             config_file=str(path), client_configuration=configuration
         )
     except Exception as err:

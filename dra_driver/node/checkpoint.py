@@ -2,8 +2,10 @@
 
 Format (``checkpoint.json``)::
 
-    {"schemaVersion": 1, "checksum": "sha256:<hex>", "payload": {"bootId": ..., "generation": ...,
+    {"schemaVersion": 2, "checksum": "sha256:<hex>", "payload": {"bootId": ..., "generation": ...,
      "claims": {"<uid>": {...}}}}
+
+This is the snapshot; the changes since are in its log (:mod:`dra_driver.node.checkpoint_log`).
 
 The checksum covers the canonical JSON of ``payload`` (sorted keys, no spaces), so a
 torn or bit-flipped file is detected rather than half-believed. ``generation`` grows
@@ -29,6 +31,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -37,7 +40,10 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-SCHEMA_VERSION = 1
+from dra_driver import crashpoint
+
+# 2: the snapshot is continued by a log (checkpoint_log); a version-1 reader must not believe it alone.
+SCHEMA_VERSION = 2
 _TEMP_SUFFIX = ".tmp"
 
 log = structlog.get_logger(__name__)
@@ -123,6 +129,7 @@ class LoadedCheckpoint:
     checkpoint: Checkpoint  # the state to start from
     stale: dict[str, ClaimRecord]  # claims prepared during an earlier boot: clean up their CDI specs
     moved_aside: Path | None  # where an untrustworthy file went: rebuild the state
+    earlier_boot: bool = False  # the file was from an earlier boot (``stale`` may still be empty)
 
 
 def canonical_json(value: Any) -> bytes:
@@ -185,8 +192,14 @@ def read_boot_id(path: Path) -> str:
     return boot_id
 
 
-def load(path: Path, boot_id: str) -> LoadedCheckpoint:
-    """Read the checkpoint for this boot; never raises for a bad file (see the module doc)."""
+def load(
+    path: Path, boot_id: str, replay: Callable[[Checkpoint], Checkpoint] = lambda snapshot: snapshot
+) -> LoadedCheckpoint:
+    """Read the checkpoint for this boot; never raises for a bad file (see the module doc).
+
+    ``replay`` brings the snapshot up to date (the journal applies its log) before the
+    boot is checked, so the claims of an earlier boot include those only the log holds.
+    """
     empty = Checkpoint(boot_id=boot_id)
     try:
         data = path.read_bytes()
@@ -207,6 +220,7 @@ def load(path: Path, boot_id: str) -> LoadedCheckpoint:
             what_to_do="nothing is needed to recover; keep the moved file for a bug report",
         )
         return LoadedCheckpoint(empty, stale={}, moved_aside=aside)
+    checkpoint = replay(checkpoint)
     if boot_id and checkpoint.boot_id != boot_id:
         log.info(
             "checkpoint is from an earlier boot; its claims are no longer prepared",
@@ -218,6 +232,7 @@ def load(path: Path, boot_id: str) -> LoadedCheckpoint:
             empty.model_copy(update={"generation": checkpoint.generation}),
             stale=dict(checkpoint.claims),
             moved_aside=None,
+            earlier_boot=True,
         )
     return LoadedCheckpoint(checkpoint, stale={}, moved_aside=None)
 
@@ -242,6 +257,7 @@ def write_atomically(path: Path, data: bytes) -> None:
             temp.write(data)
             temp.flush()
             os.fsync(temp.fileno())
+        crashpoint.reached("datafile.before_rename")
         os.replace(temp_name, path)
     except BaseException:
         Path(temp_name).unlink(missing_ok=True)
@@ -251,6 +267,7 @@ def write_atomically(path: Path, data: bytes) -> None:
         os.fsync(directory)
     finally:
         os.close(directory)
+    crashpoint.reached("datafile.after_write")
 
 
 def remove_leftover_temps(path: Path, *, older_than_s: float = 0.0) -> int:
