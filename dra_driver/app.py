@@ -25,7 +25,7 @@ from dra_driver.cdi.spec import CommonEdits, common_edits
 from dra_driver.cdi.store import SpecStore
 from dra_driver.devices.backend import Backend, DeviceError
 from dra_driver.devices.backends import open_backend
-from dra_driver.devices.driver_root import find_driver_files
+from dra_driver.devices.driver_root import find_cdi_hook, find_driver_files, parse_capabilities
 from dra_driver.devices.health import HealthSource, NodeFaults, open_health_source
 from dra_driver.devices.types import HealthState, Inventory
 from dra_driver.http import StatusServer
@@ -113,7 +113,10 @@ def edits_for(settings: Settings, inventory: Inventory) -> CommonEdits:
     """What every container with one of our GPUs needs from the host."""
     try:
         files = find_driver_files(
-            settings.driver_root, inventory.driver_version, seen_at=settings.driver_root_mount
+            settings.driver_root,
+            inventory.driver_version,
+            seen_at=settings.driver_root_mount,
+            capabilities=parse_capabilities(settings.driver_capabilities),
         )
     except DeviceError as err:
         if not settings.simulate:
@@ -121,7 +124,15 @@ def edits_for(settings: Settings, inventory: Inventory) -> CommonEdits:
         # Simulated GPUs on a machine without the NVIDIA driver: nothing to mount, and that is fine.
         log.info("no NVIDIA driver files for the simulated GPUs; specs mount none", reason=str(err))
         files = None
-    return common_edits(inventory, files)
+    hook_path = settings.nvidia_cdi_hook_path or find_cdi_hook(
+        settings.driver_root, seen_at=settings.driver_root_mount
+    )
+    if files is not None and hook_path is None:
+        log.info(
+            "no nvidia-cdi-hook: specs create no library symlinks and leave the linker cache alone",
+            hint="set nvidia-cdi-hook-path, or install the NVIDIA container toolkit in the driver root",
+        )
+    return common_edits(inventory, files, hook_path=hook_path if files is not None else None)
 
 
 async def api_client(settings: Settings) -> ApiClient:

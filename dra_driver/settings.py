@@ -15,6 +15,7 @@ from typing import Annotated
 from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from dra_driver.devices.driver_root import parse_capabilities
 from dra_driver.devices.health import APPLICATION_XIDS, GPU_LOST_XIDS
 from dra_driver.devices.sim_nodes import NODE_PROFILES
 from dra_driver.resources.taints import TaintEffect
@@ -105,6 +106,22 @@ class Settings(BaseSettings):
             "at /driver-root); unset: at the driver root's own path, as when running on the host."
         ),
     ] = None
+    nvidia_cdi_hook_path: Annotated[
+        str,
+        Field(
+            description="Host path of nvidia-cdi-hook, which CDI specs run to create the libraries' "
+            "symlinks and update the container's linker cache; unset: the hook in the driver root's "
+            "usr/bin (or another binary folder) when it is there, else no hooks."
+        ),
+    ] = ""
+    driver_capabilities: Annotated[
+        str,
+        Field(
+            description="NVIDIA_DRIVER_CAPABILITIES classes whose driver libraries containers get: a "
+            "comma-separated list of compute, utility, graphics, video, or all (compute and utility "
+            "are always included)."
+        ),
+    ] = "compute,utility"
     boot_id_file: Annotated[
         Path, Field(description="File holding the boot id; prepared state from another boot is cleared.")
     ] = Path("/proc/sys/kernel/random/boot_id")
@@ -247,6 +264,18 @@ class Settings(BaseSettings):
         if value:
             http_host_port(value)
         return value
+
+    @field_validator("nvidia_cdi_hook_path")
+    @classmethod
+    def _absolute_hook(cls, value: str) -> str:
+        if value and not value.startswith("/"):
+            raise ValueError(f"{value!r} is not an absolute path (the hook's path on the host)")
+        return value
+
+    @field_validator("driver_capabilities")
+    @classmethod
+    def _known_capabilities(cls, value: str) -> str:
+        return ",".join(parse_capabilities(value))
 
     @field_validator("log_level")
     @classmethod
