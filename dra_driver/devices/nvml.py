@@ -151,7 +151,10 @@ class NvmlBackend:
                 f"NVML not available: {e}. Run the plugin on a node with the NVIDIA driver loaded and "
                 "libnvidia-ml.so.1 on its library path, or use --simulate PROFILE for simulated GPUs"
             ) from e
-        self._bounded("reconciling MIG mode", self._reconcile_mig_mode)
+        try:
+            self._bounded("reconciling MIG mode", self._reconcile_mig_mode)
+        except DeviceError as e:  # the GPUs still work; their MIG mode waits for the next start
+            log.warning("mig_mode_reconcile_failed", error=str(e))
 
     # --- Backend -----------------------------------------------------------------------------------
 
@@ -278,7 +281,7 @@ class NvmlBackend:
         except pynvml.NVMLError as e:
             raise _nvml_error(e, action) from e
         try:
-            gpu_instance, compute_instance = self._create_instances(handle, profile, placement)
+            gpu_instance, compute_instance = self._create_instances(handle, profile, placement, parent_uuid)
         except pynvml.NVMLError as e:
             if switched_on:
                 self._switch_mig_mode_off_if_unused(handle, parent_uuid)
@@ -711,7 +714,9 @@ class NvmlBackend:
             log.error("mig_mode_record_failed", path=str(self._mig_mode_file), error=str(e))
 
     @staticmethod
-    def _create_instances(handle: Any, profile: MigProfile, placement: Placement) -> tuple[Any, Any]:
+    def _create_instances(
+        handle: Any, profile: MigProfile, placement: Placement, gpu_uuid: str
+    ) -> tuple[Any, Any]:
         """A GPU instance at exactly ``placement`` and one compute instance spanning it; all or nothing."""
         where = pynvml.c_nvmlGpuInstancePlacement_t(placement.start, placement.size)
         gpu_instance = pynvml.nvmlDeviceCreateGpuInstanceWithPlacement(
@@ -725,7 +730,7 @@ class NvmlBackend:
             )
             compute_instance = pynvml.nvmlGpuInstanceCreateComputeInstance(gpu_instance, ci_profile.id)
         except pynvml.NVMLError:
-            NvmlBackend._destroy_instances(None, gpu_instance, "")
+            NvmlBackend._destroy_instances(None, gpu_instance, gpu_uuid)
             raise
         return gpu_instance, compute_instance
 
