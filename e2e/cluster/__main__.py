@@ -87,6 +87,8 @@ def up(layout: _Layout, node: str = "none") -> int:
         except RealNodeError as error:
             print(f"cluster up: {error}", file=sys.stderr)
             stop_processes(info.processes)
+            layout.state.unlink()
+            layout.kubeconfig.unlink(missing_ok=True)
             return 1
         assert real_node.state is not None
         layout.real_node_state.write_text(json.dumps(real_node.state.to_dict(), indent=2))
