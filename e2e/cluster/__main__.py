@@ -83,10 +83,12 @@ def up(layout: _Layout, node: str = "none") -> int:
 
         real_node = RealNode(info, real_node_binaries, layout.real_node_dir, die_with_parent=False)
         try:
-            real_node.start()
-        except RealNodeError as error:
-            print(f"cluster up: {error}", file=sys.stderr)
+            real_node.start()  # stops what it started if it fails or is interrupted
+        except (RealNodeError, KeyboardInterrupt) as error:
+            print(f"cluster up: {error or 'interrupted'}", file=sys.stderr)
             stop_processes(info.processes)
+            layout.state.unlink()
+            layout.kubeconfig.unlink(missing_ok=True)
             return 1
         assert real_node.state is not None
         layout.real_node_state.write_text(json.dumps(real_node.state.to_dict(), indent=2))

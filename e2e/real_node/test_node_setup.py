@@ -25,6 +25,7 @@ from e2e.realnode.node import RealNode, RealNodeBinaries, RealNodeError, preflig
 pytestmark = pytest.mark.real_node
 
 AS_NOBODY = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
+BROKEN_DEVICE = "no-edits-at-all"
 SYSCTLS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops")
 
 
@@ -151,13 +152,16 @@ def test_a_running_node_leaves_the_host_untouched(real_node: RealNode) -> None:
 def test_a_broken_cdi_spec_of_another_vendor_does_not_stop_the_drivers_pods(
     driver: DriverRelease, real_node: RealNode, real_api: client.ApiClient, namespace: str
 ) -> None:
-    """containerd reads every spec in the directory; one it cannot use (no device edits) belongs to
-    its own vendor and kind, and the driver's specs next to it still give the pod its GPU."""
+    """containerd reads every spec in the directory when it injects devices; it refuses one with a
+    device that has no edits, says so in one warning naming the file, and the driver's specs next
+    to it still give the pod its GPU: containerd never reports one of the driver's specs."""
     assert real_node.layout is not None
     cdi = real_node.layout.host_path(config.CDI_DIR)
     broken = cdi / "example.com-broken.json"
     broken.write_text(
-        json.dumps({"cdiVersion": "0.3.0", "kind": "example.com/broken", "devices": [{"name": "x"}]})
+        json.dumps(
+            {"cdiVersion": "0.3.0", "kind": "example.com/broken", "devices": [{"name": BROKEN_DEVICE}]}
+        )
     )
     try:
         create(real_api, namespace, gpu_claim_template("one-gpu"))
@@ -175,6 +179,18 @@ def test_a_broken_cdi_spec_of_another_vendor_does_not_stop_the_drivers_pods(
         assert len(view.uuids) == 1
     finally:
         broken.unlink()
+    refusals = [
+        line
+        for line in (real_node.layout.logs / "containerd.log").read_text().splitlines()
+        if "CDI registry refresh failed" in line
+    ]
+    # containerd names the device it refused (not the file), and it is only ever this one.
+    assert refusals
+    assert all(line.count("failed to load CDI Spec") == 1 for line in refusals), refusals[-3:]
+    assert all(
+        f'failed add device \\"{BROKEN_DEVICE}\\": invalid device, empty device edits' in line
+        for line in refusals
+    ), refusals[-3:]
 
 
 def test_cluster_up_and_down_with_a_real_node_leave_the_host_as_it_was(tmp_path: Path) -> None:

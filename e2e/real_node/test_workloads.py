@@ -13,7 +13,7 @@ from kubernetes import client
 
 from dra_driver.devices.simulated import DRIVER_VERSION
 from e2e.real_node.conftest import new_namespace
-from e2e.real_node.driver import ADMIN_GPU, DriverRelease
+from e2e.real_node.driver import ADMIN_GPU, DRIVER_NAME, RELEASE, DriverRelease
 from e2e.real_node.gpu_view import (
     allocated_devices,
     container,
@@ -23,6 +23,8 @@ from e2e.real_node.gpu_view import (
     pod_manifest,
     view_of,
 )
+from e2e.realnode import config
+from e2e.realnode.images import IMAGES
 from e2e.realnode.node import RealNode
 
 pytestmark = pytest.mark.real_node
@@ -218,3 +220,32 @@ def test_admin_access_pod_next_to_a_workload(
         core = client.CoreV1Api(real_api)
         core.delete_collection_namespaced_pod(maintenance, grace_period_seconds=1)
         core.delete_namespace(maintenance)
+
+
+def test_the_plugin_runs_in_containerd_registered_with_the_kubelet_as_its_service_account(
+    driver: DriverRelease, real_node: RealNode
+) -> None:
+    plugin = driver.wait_ready()
+    (status,) = plugin.status.container_statuses
+    assert status.container_id.startswith("containerd://")
+    assert status.image == f"{IMAGES['driver']}:{driver.tag}"
+    # The chart's account and its projected token: no kubeconfig reaches the daemon.
+    assert plugin.spec.service_account_name == RELEASE
+    (kubelet_plugin,) = plugin.spec.containers
+    assert "DRA_KUBECONFIG" not in {env.name for env in kubelet_plugin.env}
+    assert any(
+        source.service_account_token is not None
+        for volume in plugin.spec.volumes
+        if volume.projected is not None
+        for source in volume.projected.sources
+    )
+    # Registered through the kubelet's plugin watcher: the registration socket, and the kubelet saying so.
+    assert real_node.layout is not None
+    registry = real_node.layout.host_path(f"{config.KUBELET_ROOT}/plugins_registry")
+    assert [p.name for p in registry.iterdir() if p.is_socket() and DRIVER_NAME in p.name]
+    kubelet_log = (real_node.layout.logs / "kubelet.log").read_text()
+    endpoint = f"{config.KUBELET_ROOT}/plugins/{DRIVER_NAME}/dra-{plugin.metadata.uid}.sock"
+    assert (
+        f'"Connection changed" logger="DRA registration handler" driverName="{DRIVER_NAME}" '
+        f'endpoint="{endpoint}" connected=true'
+    ) in kubelet_log
