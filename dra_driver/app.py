@@ -25,7 +25,7 @@ from dra_driver.cdi.spec import CommonEdits, common_edits
 from dra_driver.cdi.store import SpecStore
 from dra_driver.devices.backend import Backend, DeviceError
 from dra_driver.devices.backends import open_backend
-from dra_driver.devices.driver_root import find_driver_files
+from dra_driver.devices.driver_root import find_cdi_hook, find_driver_files, parse_capabilities
 from dra_driver.devices.health import HealthSource, NodeFaults, open_health_source
 from dra_driver.devices.types import HealthState, Inventory
 from dra_driver.http import StatusServer
@@ -53,7 +53,13 @@ from dra_driver.resources.taints import (
     unknown_gpus,
 )
 from dra_driver.resources.wire import DeviceTaint
-from dra_driver.settings import Settings, TaintsOnRecovery, xid_numbers
+from dra_driver.settings import Settings, TaintsOnRecovery, partition_gpus, xid_numbers
+from dra_driver.startup import (
+    check_before_starting,
+    check_mig_partitions,
+    load_kube_configuration,
+    start_status_server,
+)
 
 if TYPE_CHECKING:  # only for the annotations: dra_driver.kube imports the client's machinery
     from kubernetes.aio.client import ApiClient
@@ -73,7 +79,7 @@ def partition_policy(setting: str) -> PartitionPolicy:
         return partition_all
     if setting == "none":
         return partition_none
-    return partition_selected([part.strip() for part in setting.split(",") if part.strip()])
+    return partition_selected(partition_gpus(setting))
 
 
 def desired_slices(
@@ -89,7 +95,13 @@ def desired_slices(
     """
     policy = partition_policy(settings.mig_partitions)
     return split_pool(
-        build_devices(inventory, partition=policy, owned_mig_uuids=owned_mig_uuids, taints=taints)
+        build_devices(
+            inventory,
+            partition=policy,
+            owned_mig_uuids=owned_mig_uuids,
+            taints=taints,
+            maintenance=settings.maintenance_devices,
+        )
     )
 
 
@@ -107,7 +119,10 @@ def edits_for(settings: Settings, inventory: Inventory) -> CommonEdits:
     """What every container with one of our GPUs needs from the host."""
     try:
         files = find_driver_files(
-            settings.driver_root, inventory.driver_version, seen_at=settings.driver_root_mount
+            settings.driver_root,
+            inventory.driver_version,
+            seen_at=settings.driver_root_mount,
+            capabilities=parse_capabilities(settings.driver_capabilities),
         )
     except DeviceError as err:
         if not settings.simulate:
@@ -115,17 +130,21 @@ def edits_for(settings: Settings, inventory: Inventory) -> CommonEdits:
         # Simulated GPUs on a machine without the NVIDIA driver: nothing to mount, and that is fine.
         log.info("no NVIDIA driver files for the simulated GPUs; specs mount none", reason=str(err))
         files = None
-    return common_edits(inventory, files)
+    hook_path = settings.nvidia_cdi_hook_path or find_cdi_hook(
+        settings.driver_root, seen_at=settings.driver_root_mount
+    )
+    if files is not None and hook_path is None:
+        log.info(
+            "no nvidia-cdi-hook: specs create no library symlinks and leave the linker cache alone",
+            hint="set nvidia-cdi-hook-path, or install the NVIDIA container toolkit in the driver root",
+        )
+    return common_edits(inventory, files, hook_path=hook_path if files is not None else None)
 
 
 async def api_client(settings: Settings) -> ApiClient:
+    """A client of the API server: from the kubeconfig if one is set, else the pod's service account."""
     configuration = kube.Configuration()
-    if settings.kubeconfig is not None:
-        await kube.load_kube_config(  # type: ignore[no-untyped-call]
-            config_file=str(settings.kubeconfig), client_configuration=configuration
-        )
-    else:
-        kube.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+    await load_kube_configuration(settings.kubeconfig, configuration)
     return kube.ApiClient(configuration)
 
 
@@ -278,27 +297,34 @@ async def run_plugin(settings: Settings, stop: asyncio.Event | None = None) -> N
     """Run the daemon until SIGTERM/SIGINT (or ``stop``); leaves no socket of its own behind."""
     started = time.monotonic()
     stop = stop or _stop_on_signals()
-    state_dir = settings.state_dir
-    state_dir.mkdir(parents=True, exist_ok=True)
+    check_before_starting(settings)  # what the user can get wrong, before anything is logged or opened
     async with contextlib.AsyncExitStack() as held:
+        api = await api_client(settings)
+        held.push_async_callback(api.close)
+        metrics = Metrics()
+        status = None
+        if settings.http_address:
+            # Bound first: a wrong address fails at once, and probes get answers while GPUs are read.
+            status = StatusServer(settings.http_address, metrics, lambda: "starting")
+            await start_status_server(status, settings.http_address)
+            held.push_async_callback(status.stop)
         backend = await asyncio.to_thread(
             open_backend,
             settings.simulate or None,
-            state_dir,
+            settings.state_dir,
             settings.node_name,
             driver_root=settings.driver_root_mount or settings.driver_root,
         )
         held.push_async_callback(asyncio.to_thread, backend.close)
         inventory = await asyncio.to_thread(backend.inventory)
+        check_mig_partitions(settings, inventory)
         log.info(
             "GPUs discovered",
             backend="simulated:" + settings.simulate if settings.simulate else "nvml",
             gpus=len(inventory.gpus),
             driver_version=inventory.driver_version,
         )
-        api = await api_client(settings)
-        held.push_async_callback(api.close)
-        await _serve(settings, backend, inventory, api, stop, started)
+        await _serve(settings, backend, inventory, api, metrics, status, stop, started)
 
 
 async def _serve(
@@ -306,11 +332,12 @@ async def _serve(
     backend: Backend,
     inventory: Inventory,
     api: ApiClient,
+    metrics: Metrics,
+    status: StatusServer | None,
     stop: asyncio.Event,
     started: float,
 ) -> None:
     state_dir = settings.state_dir
-    metrics = Metrics()
     health = HealthBoard()
     policy = taint_policy(settings)
     publisher = SlicePublisher(
@@ -393,11 +420,10 @@ async def _serve(
             return "ResourceSlices not published yet"
         return None
 
-    status = StatusServer(settings.http_address, metrics, readiness) if settings.http_address else None
+    if status is not None:
+        status.readiness = readiness
     tasks: list[asyncio.Task[None]] = []
     try:
-        if status is not None:
-            await status.start()
         await plugin.start()
         log.info(
             "serving the kubelet",
@@ -422,8 +448,6 @@ async def _serve(
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if status is not None:
-            await status.stop()
 
 
 async def _until_stopped(stop: asyncio.Event, tasks: list[asyncio.Task[None]]) -> None:

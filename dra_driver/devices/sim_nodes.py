@@ -44,6 +44,7 @@ NODE_PROFILES: dict[str, NodeProfile] = {
         NodeProfile("dgx-a100-80gb", "8x NVIDIA A100-SXM4-80GB (DGX A100)", _same(8, "a100-sxm4-80gb")),
         NodeProfile("dgx-h200", "8x NVIDIA H200 (DGX H200)", _same(8, "h200-sxm-141gb")),
         NodeProfile("dgx-b200", "8x NVIDIA B200 (DGX B200)", _same(8, "b200-180gb")),
+        NodeProfile("gb200-tray", "4x NVIDIA GB200 (an NVL72 compute tray; Grace: ATS)", _same(4, "gb200")),
         NodeProfile("l4x4", "4x NVIDIA L4", _same(4, "l4")),
         NodeProfile(
             "mixed",
@@ -97,6 +98,7 @@ def _gpu(node_name: str, index: int, gpu_count: int, model: GpuModel) -> Gpu:
         mig_mode_change_requires_reset=model.mig_mode_change_requires_reset,
         memory_slices=model.memory_slices,
         mig_profiles=model.mig_profiles,
+        addressing_mode=model.addressing_mode,
     )
 
 

@@ -94,6 +94,8 @@ class Gpu:
     pci_vendor_id: int  # 0x10de
     device_node: DeviceNode
     pcie_root: str | None = None  # "pci0000:3a" when sysfs tells us
+    # "ATS", "HMM" or "None" where the platform has coherent memory (Grace); None where it has not.
+    addressing_mode: str | None = None
     mig_capable: bool = False
     mig_enabled: bool = False
     # Whether switching MIG mode needs a GPU reset (Ampere) or not (Hopper and newer).
@@ -101,6 +103,9 @@ class Gpu:
     memory_slices: int = 0
     mig_profiles: tuple[MigProfile, ...] = ()
     mig_devices: tuple[MigDevice, ...] = ()
+    # GPU instances that are no usable MIG device (no compute instance, or several): the profile name
+    # and placement of each. Their memory slices are taken, so nothing overlapping them is offered.
+    reserved_placements: tuple[tuple[str, Placement], ...] = ()
 
     def profile(self, name: str) -> MigProfile | None:
         return next((p for p in self.mig_profiles if p.name == name), None)

@@ -180,9 +180,10 @@ def read_boot_id(path: Path) -> str:
     """
     try:
         boot_id = path.read_text().strip()
-    except OSError as error:
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) else "not text"
         raise BootIdUnavailable(
-            f"cannot read the boot id from {path}: {error.strerror or error}; it tells prepared state "
+            f"cannot read the boot id from {path}: {reason or error}; it tells prepared state "
             "from before a reboot, so the driver does not start without it (mount the host's /proc, "
             "or point --boot-id-file / DRA_BOOT_ID_FILE at a file that holds it)"
         ) from None
@@ -269,21 +270,16 @@ def write_atomically(path: Path, data: bytes) -> None:
     crashpoint.reached("datafile.after_write")
 
 
-def remove_leftover_temps(path: Path, *, older_than_s: float = 0.0) -> int:
+def remove_leftover_temps(path: Path) -> int:
     """Remove the temporary files that interrupted writes of ``path`` left; returns how many.
 
-    ``older_than_s`` spares files young enough to belong to a write still in progress by a
-    process that does not hold our lock.
+    Only for files written under the journal's lock, by a caller holding it: no write of
+    them can be in progress.
     """
     removed = 0
-    deadline = time.time() - older_than_s
     for temp in path.parent.glob(f".{glob.escape(path.name)}.*{_TEMP_SUFFIX}"):
-        try:
-            if temp.stat().st_mtime <= deadline:
-                temp.unlink()
-                removed += 1
-        except FileNotFoundError:
-            continue  # its writer renamed or removed it meanwhile
+        temp.unlink(missing_ok=True)
+        removed += 1
     if removed:
         log.info("removed temporary files of interrupted writes", file=str(path), count=removed)
     return removed

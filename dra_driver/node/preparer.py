@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -274,11 +275,14 @@ class NodePreparer:
                     "the pod cannot start until the claim exists again"
                 )
             claim = allocated_claim(ref, claim_json, self._driver, self._pool)
+            inventory = self._inventory()
             plan = plan_claim(
                 claim,
-                self._inventory(),
+                inventory,
                 self._driver,
-                self._common,
+                # The control nodes of the current inventory: nvidia-uvm and nvidia-modeset appear
+                # when their kernel modules load, possibly after the plugin started.
+                dataclasses.replace(self._common, device_nodes=inventory.control_nodes),
                 partition=self._partition,
                 mig_holders=self._mig_holders(),
             )

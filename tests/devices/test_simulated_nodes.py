@@ -28,6 +28,7 @@ def _backend(tmp_path, profile="dgx-h100", node="node-a"):
         ("dgx-a100-80gb", 8, {"NVIDIA A100-SXM4-80GB"}),
         ("dgx-h200", 8, {"NVIDIA H200"}),
         ("dgx-b200", 8, {"NVIDIA B200"}),
+        ("gb200-tray", 4, {"NVIDIA GB200"}),
         ("l4x4", 4, {"NVIDIA L4"}),
         ("mixed", 6, {"NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "NVIDIA L4"}),
     ],
@@ -46,6 +47,7 @@ def test_every_registered_profile_is_tested():
         "dgx-a100-80gb",
         "dgx-h200",
         "dgx-b200",
+        "gb200-tray",
         "l4x4",
         "mixed",
     }

@@ -94,11 +94,11 @@ def test_unknown_boot_keeps_the_state(tmp_path: Path) -> None:
     assert ckpt.load(path, "").checkpoint == sample()
 
 
-@pytest.mark.parametrize("content", [None, "", "\n"])
-def test_a_missing_or_empty_boot_id_refuses_to_start(tmp_path: Path, content: str | None) -> None:
+@pytest.mark.parametrize("content", [None, b"", b"\n", b"\xff\xfe not text"])
+def test_a_missing_or_empty_boot_id_refuses_to_start(tmp_path: Path, content: bytes | None) -> None:
     boot_id = tmp_path / "boot_id"
     if content is not None:
-        boot_id.write_text(content)
+        boot_id.write_bytes(content)
 
     with pytest.raises(ckpt.BootIdUnavailable, match="DRA_BOOT_ID_FILE"):
         ckpt.read_boot_id(boot_id)

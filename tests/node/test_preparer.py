@@ -7,6 +7,7 @@ would return); everything below it is real.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 import structlog
 
+from dra_driver.cdi.spec import common_edits
 from dra_driver.node import checkpoint as ckpt
 from dra_driver.node import checkpoint_log as ckpt_log
 from dra_driver.node.checkpoint import ClaimRecord, DeviceRecord
@@ -635,3 +637,31 @@ async def test_start_removes_temp_files_of_spec_writes_a_crash_interrupted(node:
 
     assert not leftover.exists()
     assert node.spec_files() == {node.specs.path_for(prepared.uid).name}
+
+
+async def test_a_control_node_that_appears_after_start_reaches_new_specs(node: Node) -> None:
+    inventory = node.backend.inventory()
+    uvm = next(n for n in inventory.control_nodes if n.path == "/dev/nvidia-uvm")
+    # At start nvidia-uvm is not loaded yet (it loads lazily); the inventory sees it later.
+    current = {
+        "inventory": dataclasses.replace(
+            inventory, control_nodes=tuple(n for n in inventory.control_nodes if n is not uvm)
+        )
+    }
+    preparer = await node.started(
+        inventory=lambda: current["inventory"],
+        common_edits=common_edits(current["inventory"], None),
+    )
+    first, second = new_ref(), new_ref()
+    node.allocate(first, "gpu-0")
+    await preparer.prepare([first])
+    current["inventory"] = inventory  # nvidia-uvm has loaded
+    node.allocate(second, "gpu-1")
+    await preparer.prepare([second])
+
+    def control_paths(ref: ClaimRef) -> list[str]:
+        spec = json.loads(node.specs.path_for(ref.uid).read_text())
+        return [n["path"] for n in spec["containerEdits"]["deviceNodes"]]
+
+    assert "/dev/nvidia-uvm" not in control_paths(first)
+    assert "/dev/nvidia-uvm" in control_paths(second)
