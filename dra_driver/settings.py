@@ -120,6 +120,13 @@ class Settings(BaseSettings):
             "admin-access claims may get (kubernetes/kubernetes#140729); false once the scheduler is fixed."
         ),
     ] = True
+    node_labels: Annotated[
+        bool,
+        Field(
+            description="Keep NVIDIA GPU feature discovery's labels (nvidia.com/gpu.product, ...) on the "
+            "node, following the GPUs; do not run GFD beside it."
+        ),
+    ] = False
     inventory_refresh_seconds: Annotated[
         float,
         Field(gt=0, description="How often the GPUs are re-read to notice changes (MIG, hot-plug)."),
