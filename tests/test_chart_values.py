@@ -70,9 +70,9 @@ def render(
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
-def render_error(helm: Path, values: dict[str, Any]) -> str:
+def render_error(helm: Path, values: dict[str, Any], namespace: str = NAMESPACE) -> str:
     result = subprocess.run(
-        [str(helm), "template", "gpu", str(CHART), "--values", "-"],
+        [str(helm), "template", "gpu", str(CHART), "--namespace", namespace, "--values", "-"],
         input=yaml.safe_dump(values),
         capture_output=True,
         text=True,
@@ -193,7 +193,11 @@ def switched_on(helm: Path) -> tuple[dict[str, Any], list[Manifest]]:
     return values, render(helm, values)
 
 
-@pytest.mark.parametrize("path", list(LEAVES))
+# Values whose effect shows only in another release namespace; each has a test of its own.
+NAMESPACE_DEPENDENT = {"allowDefaultNamespace": "test_the_default_namespace_is_refused_unless_allowed"}
+
+
+@pytest.mark.parametrize("path", [path for path in LEAVES if path not in NAMESPACE_DEPENDENT])
 def test_every_value_changes_what_is_deployed(
     helm: Path, path: str, switched_on: tuple[dict[str, Any], list[Manifest]]
 ) -> None:
@@ -389,3 +393,30 @@ def test_examples_use_the_device_classes_the_chart_installs(helm: Path) -> None:
         if document["kind"] == "DeviceClass":  # for clusters without the chart: the same class
             name = document["metadata"]["name"]
             assert json.loads(json.dumps(document["spec"])) == installed[name]["spec"], path
+
+
+def test_the_default_namespace_is_refused_unless_allowed(helm: Path) -> None:
+    assert "refusing to install into the namespace default" in render_error(helm, {}, namespace="default")
+    argv = [str(helm), "template", "gpu", str(CHART), "--namespace", "default"]
+    allowed = subprocess.run(
+        [*argv, "--set", "allowDefaultNamespace=true"], capture_output=True, text=True, check=False
+    )
+    assert allowed.returncode == 0, allowed.stderr
+    elsewhere = subprocess.run(
+        [*argv, "--set", "namespaceOverride=gpu-operator"], capture_output=True, text=True, check=False
+    )
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    namespaces = {d["metadata"].get("namespace") for d in yaml.safe_load_all(elsewhere.stdout) if d}
+    assert namespaces == {"gpu-operator", None}  # cluster-scoped objects have none
+
+
+def test_name_overrides_rename_every_object_and_keep_the_selector_consistent(helm: Path) -> None:
+    manifests = render(helm, {"fullnameOverride": "gpu-driver"})
+    (daemonset,) = of_kind(manifests, "DaemonSet")
+    assert daemonset["metadata"]["name"] == "gpu-driver"
+    assert pod_spec(manifests)["serviceAccountName"] == "gpu-driver"
+    renamed = render(helm, {"nameOverride": "nvidia-dra"})
+    (daemonset,) = of_kind(renamed, "DaemonSet")
+    labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    assert labels["app.kubernetes.io/name"] == "nvidia-dra"
+    assert daemonset["spec"]["selector"]["matchLabels"].items() <= labels.items()
