@@ -27,6 +27,7 @@ from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import Gpu
 from dra_driver.log import configure
 from dra_driver.resources.pool import PoolOwner, plan_pool
+from dra_driver.webhook import serve_webhook
 
 # The settings the offline commands honour; the daemon takes them all.
 _INVENTORY_SETTINGS = [
@@ -73,6 +74,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     inventory.set_defaults(run=_inventory)
 
+    webhook = commands.add_parser(
+        "webhook", help="serve the validating admission webhook for opaque configs (docs/configuration.md)"
+    )
+    add_settings_flags(webhook, ["driver_name", "log_format", "log_level"])
+    webhook.add_argument("--webhook-address", default="0.0.0.0:8443", help="host:port to serve HTTPS on")
+    webhook.add_argument("--tls-cert-file", type=Path, required=True, help="serving certificate (PEM)")
+    webhook.add_argument("--tls-key-file", type=Path, required=True, help="its private key (PEM)")
+    webhook.set_defaults(run=_webhook)
+
     simulate = commands.add_parser(
         "simulate", help="act on the simulated GPUs of a node (the state the daemon reads)"
     )
@@ -113,6 +123,27 @@ def _kubelet_plugin(args: argparse.Namespace) -> int:
         asyncio.run(run_plugin(settings))
     except DeviceError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _webhook(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    configure(settings.log_format, settings.log_level)
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve_webhook(
+            settings.driver_name, args.webhook_address, args.tls_cert_file, args.tls_key_file, stop
+        )
+
+    try:
+        asyncio.run(serve())
+    except (OSError, ValueError) as err:  # a missing certificate, a bad address, a port in use
+        print(f"error: webhook: {err}", file=sys.stderr)
         return 1
     return 0
 

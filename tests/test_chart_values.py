@@ -335,7 +335,28 @@ def test_probes_ask_the_daemons_health_endpoint(helm: Path, values_file: Path | 
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": port["name"]}
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": port["name"]}
     for service in of_kind(manifests, "Service"):
+        if service["metadata"]["name"].endswith("-webhook"):
+            continue  # the webhook's own Service (test_the_webhook_service_reaches_its_pods)
         assert service["spec"]["ports"][0]["targetPort"] == port["name"]
+
+
+def test_the_webhook_service_reaches_its_pods_with_the_certificate_it_names(helm: Path) -> None:
+    manifests = render(helm, {"webhook": {"enabled": True}})
+    (deployment,) = of_kind(manifests, "Deployment")
+    (configuration,) = of_kind(manifests, "ValidatingWebhookConfiguration")
+    (service,) = [s for s in of_kind(manifests, "Service") if s["metadata"]["name"].endswith("-webhook")]
+    pod = deployment["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert deployment["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
+    (daemonset,) = of_kind(manifests, "DaemonSet")  # the plugin's selectors do not take the webhook's pods
+    assert not daemonset["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (hook,) = configuration["webhooks"]
+    assert hook["clientConfig"]["service"] == {
+        "name": service["metadata"]["name"],
+        "namespace": NAMESPACE,
+        "path": "/validate",
+    }
+    assert pod["spec"]["containers"][0]["command"] == ["dra-driver", "webhook"]
 
 
 @pytest.mark.parametrize("values_file", VALUES_FILES, ids=VALUES_IDS)
