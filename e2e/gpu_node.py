@@ -49,6 +49,7 @@ class GpuNode:
         *,
         profile: str = "dgx-h100",
         driver_args: Sequence[str] = (),
+        mock_nvml: str | None = None,
         driver_name: str = DRIVER_NAME,
     ) -> None:
         self.name = name
@@ -71,6 +72,7 @@ class GpuNode:
             log=base_dir / "dra-driver.log",
             profile=profile,
             extra_args=driver_args,
+            mock_nvml=mock_nvml,
             driver_name=driver_name,
         )
 

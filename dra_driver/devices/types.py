@@ -103,6 +103,9 @@ class Gpu:
     memory_slices: int = 0
     mig_profiles: tuple[MigProfile, ...] = ()
     mig_devices: tuple[MigDevice, ...] = ()
+    # GPU instances that are no usable MIG device (no compute instance, or several): the profile name
+    # and placement of each. Their memory slices are taken, so nothing overlapping them is offered.
+    reserved_placements: tuple[tuple[str, Placement], ...] = ()
 
     def profile(self, name: str) -> MigProfile | None:
         return next((p for p in self.mig_profiles if p.name == name), None)

@@ -2,8 +2,10 @@
 
 Format (``checkpoint.json``)::
 
-    {"schemaVersion": 1, "checksum": "sha256:<hex>", "payload": {"bootId": ..., "generation": ...,
+    {"schemaVersion": 2, "checksum": "sha256:<hex>", "payload": {"bootId": ..., "generation": ...,
      "claims": {"<uid>": {...}}}}
+
+This is the snapshot; the changes since are in its log (:mod:`dra_driver.node.checkpoint_log`).
 
 The checksum covers the canonical JSON of ``payload`` (sorted keys, no spaces), so a
 torn or bit-flipped file is detected rather than half-believed. ``generation`` grows
@@ -23,11 +25,13 @@ Everything here blocks on the file system; the event loop calls it through
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -36,7 +40,11 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-SCHEMA_VERSION = 1
+from dra_driver import crashpoint
+
+# 2: the snapshot is continued by a log (checkpoint_log); a version-1 reader must not believe it alone.
+SCHEMA_VERSION = 2
+_TEMP_SUFFIX = ".tmp"
 
 log = structlog.get_logger(__name__)
 
@@ -101,6 +109,19 @@ class CheckpointUnreadable(Exception):
     """The file exists but cannot be trusted."""
 
 
+class CheckpointFromNewerDriver(CheckpointUnreadable):
+    """The file was written by a newer schema: this driver must neither believe nor replace it.
+
+    That is what rolling back an upgrade meets. Moving the file aside would drop the
+    newer driver's records (its MIG devices among them), and writing over it would lose
+    them for good, so the driver refuses to start and says what to do.
+    """
+
+
+class BootIdUnavailable(Exception):
+    """Without the boot id, state from before a reboot would be believed: refuse to start."""
+
+
 @dataclass(frozen=True)
 class LoadedCheckpoint:
     """What :func:`load` found."""
@@ -108,6 +129,7 @@ class LoadedCheckpoint:
     checkpoint: Checkpoint  # the state to start from
     stale: dict[str, ClaimRecord]  # claims prepared during an earlier boot: clean up their CDI specs
     moved_aside: Path | None  # where an untrustworthy file went: rebuild the state
+    earlier_boot: bool = False  # the file was from an earlier boot (``stale`` may still be empty)
 
 
 def canonical_json(value: Any) -> bytes:
@@ -129,7 +151,14 @@ def decode(data: bytes) -> Checkpoint:
         raise CheckpointUnreadable(f"not JSON (truncated or damaged?): {error}") from None
     if not isinstance(document, dict) or set(document) != {"schemaVersion", "checksum", "payload"}:
         raise CheckpointUnreadable("not a checkpoint: expected exactly schemaVersion, checksum and payload")
-    if document["schemaVersion"] != SCHEMA_VERSION:
+    version = document["schemaVersion"]
+    if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
+        raise CheckpointFromNewerDriver(
+            f"it was written by a newer version of the driver (schema {version}; this version reads "
+            f"{SCHEMA_VERSION}). Roll forward to that version, or drain the node's GPU pods and delete "
+            "the file to start afresh"
+        )
+    if version != SCHEMA_VERSION:
         raise CheckpointUnreadable(
             f"schemaVersion {document['schemaVersion']!r} is not {SCHEMA_VERSION} "
             "(written by another version of the driver?)"
@@ -144,16 +173,33 @@ def decode(data: bytes) -> Checkpoint:
 
 
 def read_boot_id(path: Path) -> str:
-    """This boot's id; empty (stale state cannot be told apart) when the file is missing."""
+    """This boot's id; :class:`BootIdUnavailable` when it cannot be read.
+
+    Stale-state detection rests on it: with no boot id, claims prepared before a reboot
+    would be believed, and their devices (gone with the reboot) never handed out again.
+    """
     try:
-        return path.read_text().strip()
-    except FileNotFoundError:
-        log.warning("boot id unavailable: state from before a reboot cannot be detected", path=str(path))
-        return ""
+        boot_id = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) else "not text"
+        raise BootIdUnavailable(
+            f"cannot read the boot id from {path}: {reason or error}; it tells prepared state "
+            "from before a reboot, so the driver does not start without it (mount the host's /proc, "
+            "or point --boot-id-file / DRA_BOOT_ID_FILE at a file that holds it)"
+        ) from None
+    if not boot_id:
+        raise BootIdUnavailable(f"the boot id file {path} is empty; see --boot-id-file / DRA_BOOT_ID_FILE")
+    return boot_id
 
 
-def load(path: Path, boot_id: str) -> LoadedCheckpoint:
-    """Read the checkpoint for this boot; never raises for a bad file (see the module doc)."""
+def load(
+    path: Path, boot_id: str, replay: Callable[[Checkpoint], Checkpoint] = lambda snapshot: snapshot
+) -> LoadedCheckpoint:
+    """Read the checkpoint for this boot; never raises for a bad file (see the module doc).
+
+    ``replay`` brings the snapshot up to date (the journal applies its log) before the
+    boot is checked, so the claims of an earlier boot include those only the log holds.
+    """
     empty = Checkpoint(boot_id=boot_id)
     try:
         data = path.read_bytes()
@@ -161,6 +207,8 @@ def load(path: Path, boot_id: str) -> LoadedCheckpoint:
         return LoadedCheckpoint(empty, stale={}, moved_aside=None)
     try:
         checkpoint = decode(data)
+    except CheckpointFromNewerDriver as error:
+        raise CheckpointFromNewerDriver(f"checkpoint {path}: {error}") from None
     except CheckpointUnreadable as error:
         aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
         aside = _unused(aside)
@@ -172,6 +220,7 @@ def load(path: Path, boot_id: str) -> LoadedCheckpoint:
             what_to_do="nothing is needed to recover; keep the moved file for a bug report",
         )
         return LoadedCheckpoint(empty, stale={}, moved_aside=aside)
+    checkpoint = replay(checkpoint)
     if boot_id and checkpoint.boot_id != boot_id:
         log.info(
             "checkpoint is from an earlier boot; its claims are no longer prepared",
@@ -183,24 +232,32 @@ def load(path: Path, boot_id: str) -> LoadedCheckpoint:
             empty.model_copy(update={"generation": checkpoint.generation}),
             stale=dict(checkpoint.claims),
             moved_aside=None,
+            earlier_boot=True,
         )
     return LoadedCheckpoint(checkpoint, stale={}, moved_aside=None)
 
 
 def write(path: Path, checkpoint: Checkpoint) -> bytes:
-    """Replace the checkpoint atomically and durably; returns the bytes written.
-
-    Temp file in the same directory, fsync, rename over the old file, fsync the
-    directory: after a crash the file is either the old version or the new one.
-    """
+    """Replace the checkpoint atomically and durably; returns the bytes written."""
     data = encode(checkpoint)
+    write_atomically(path, data)
+    return data
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Temp file in the same directory, fsync, rename over the old file, fsync the directory.
+
+    After a crash the file is either the old version or the new one; at worst a
+    temporary file is left behind (:func:`remove_leftover_temps` clears those).
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_TEMP_SUFFIX)
     try:
         with os.fdopen(fd, "wb") as temp:
             temp.write(data)
             temp.flush()
             os.fsync(temp.fileno())
+        crashpoint.reached("datafile.before_rename")
         os.replace(temp_name, path)
     except BaseException:
         Path(temp_name).unlink(missing_ok=True)
@@ -210,7 +267,22 @@ def write(path: Path, checkpoint: Checkpoint) -> bytes:
         os.fsync(directory)
     finally:
         os.close(directory)
-    return data
+    crashpoint.reached("datafile.after_write")
+
+
+def remove_leftover_temps(path: Path) -> int:
+    """Remove the temporary files that interrupted writes of ``path`` left; returns how many.
+
+    Only for files written under the journal's lock, by a caller holding it: no write of
+    them can be in progress.
+    """
+    removed = 0
+    for temp in path.parent.glob(f".{glob.escape(path.name)}.*{_TEMP_SUFFIX}"):
+        temp.unlink(missing_ok=True)
+        removed += 1
+    if removed:
+        log.info("removed temporary files of interrupted writes", file=str(path), count=removed)
+    return removed
 
 
 def _unused(path: Path) -> Path:

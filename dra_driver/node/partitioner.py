@@ -12,6 +12,9 @@ disappears while MIG mode is on) and plans later claims against the fresh view.
 Reads are serialized, so the last one delivered is never older than a change that
 completed before it started; and a read that started after a change serves it too,
 so a burst of changes (seven MIG devices on one GPU) costs a few reads, not seven.
+
+Each device created is also entered in the :class:`MigLedger`, and leaves it when it
+is destroyed, so the driver still knows its own devices after losing the checkpoint.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ from collections.abc import Callable
 
 import structlog
 
+from dra_driver import crashpoint
 from dra_driver.devices.backend import Backend, DeviceError, DeviceInUseError, PlacementUnavailableError
 from dra_driver.devices.types import Inventory, MigDevice, Placement
 from dra_driver.node.checkpoint import MigRecord
+from dra_driver.node.mig_ledger import MigLedger
 
 log = structlog.get_logger(__name__)
 
@@ -35,8 +40,14 @@ class PartitionError(Exception):
 class Partitioner:
     """The MIG operations of one node's backend, one at a time per GPU."""
 
-    def __init__(self, backend: Backend, on_inventory_changed: Callable[[Inventory], None] | None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        ledger: MigLedger,
+        on_inventory_changed: Callable[[Inventory], None] | None,
+    ) -> None:
         self._backend = backend
+        self._ledger = ledger
         self._on_inventory_changed = on_inventory_changed
         self._gpu_locks: dict[str, asyncio.Lock] = {}
         self._reading = asyncio.Lock()
@@ -47,6 +58,7 @@ class Partitioner:
         """Create the MIG device ``mig`` describes (named ``device`` in the slices)."""
         placement = Placement(mig.placement_start, mig.placement_size)
         async with self._gpu_lock(mig.parent_uuid):
+            crashpoint.reached("mig.before_create")
             try:
                 created = await asyncio.to_thread(
                     self._backend.create_mig_device, mig.parent_uuid, mig.profile_id, placement
@@ -61,12 +73,22 @@ class Partitioner:
                 raise PartitionError(f"cannot create MIG device {device} yet: {error}") from error
             except DeviceError as error:
                 raise PartitionError(f"cannot create MIG device {device}: {error}") from error
+            crashpoint.reached("mig.after_create")
+            try:
+                await asyncio.to_thread(self._ledger.add, mig.model_copy(update={"uuid": created.uuid}))
+            except OSError as error:
+                # Unrecorded, it would outlive a lost checkpoint as a static device: take it back.
+                await asyncio.to_thread(self._backend.destroy_mig_device, mig.parent_uuid, created.uuid)
+                raise PartitionError(
+                    f"cannot create MIG device {device}: recording it failed ({error}); the kubelet retries"
+                ) from error
         log.info("MIG device created", device=device, mig_uuid=created.uuid, gpu_uuid=mig.parent_uuid)
         return created
 
     async def destroy(self, device: str, parent_uuid: str, mig_uuid: str) -> None:
         """Destroy a MIG device; one that is already gone is not an error."""
         async with self._gpu_lock(parent_uuid):
+            crashpoint.reached("mig.before_destroy")
             try:
                 await asyncio.to_thread(self._backend.destroy_mig_device, parent_uuid, mig_uuid)
             except DeviceInUseError as error:
@@ -75,6 +97,11 @@ class Partitioner:
                 ) from error
             except DeviceError as error:
                 raise PartitionError(f"cannot destroy MIG device {device} ({mig_uuid}): {error}") from error
+            crashpoint.reached("mig.after_destroy")
+        try:
+            await asyncio.to_thread(self._ledger.remove, mig_uuid)
+        except OSError as error:  # harmless: start-up forgets entries of devices that are gone
+            log.warning("could not remove a destroyed MIG device from the ledger", error=str(error))
         log.info("MIG device destroyed", device=device, mig_uuid=mig_uuid, gpu_uuid=parent_uuid)
 
     async def changed(self) -> None:

@@ -31,9 +31,16 @@ alive on the GPUs, which survive a restart of the plugin but not a reboot:
   its unprepare destroys it. Nothing is destroyed at start: an instance recorded for
   no claim and at no recorded placement was made by an administrator (static MIG).
 
-After a lost checkpoint the records rebuilt from CDI specs know no MIG intents, so MIG
-devices the driver had created are then indistinguishable from an administrator's:
-they are published and kept as static MIG devices (and logged), never destroyed.
+After a lost checkpoint the :class:`MigLedger` tells which live MIG devices the driver
+created. A claim rebuilt from its CDI spec gets the MIG data of each of its devices the
+ledger names (the spec names the MIG uuid in ``DRA_GPU_UUID_<DEVICE>``), so the full
+GPU stays excluded while the claim holds a partition of it, and the claim's unprepare
+destroys the device. A MIG device that neither the ledger names, nor a record, is an
+administrator's (static MIG) and is never destroyed. The ledger forgets devices that
+are gone, and entries the checkpoint knows but the ledger lacks (a crash between
+create and entry, or state from an older version) are added.
+
+Temporary files that crashed writes left in the CDI directory are removed here too.
 
 Runs under the checkpoint's file lock, in a worker thread: these are blocking calls.
 """
@@ -45,37 +52,41 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
+from dra_driver.cdi.spec import uuid_env_name
 from dra_driver.cdi.store import SpecStore
 from dra_driver.devices.types import MigDevice
 from dra_driver.node.checkpoint import Checkpoint, ClaimRecord, DeviceRecord, LoadedCheckpoint, MigRecord
+from dra_driver.node.mig_ledger import MigLedger
 
 log = structlog.get_logger(__name__)
 
 
 def starting_state(
-    loaded: LoadedCheckpoint, specs: SpecStore, pool: str, live_mig_devices: Callable[[], Sequence[MigDevice]]
+    loaded: LoadedCheckpoint,
+    specs: SpecStore,
+    pool: str,
+    ledger: MigLedger,
+    live_mig_devices: Callable[[], Sequence[MigDevice]],
 ) -> Checkpoint:
     """The state to start from; ``live_mig_devices`` reads the MIG devices the GPUs have now."""
-    if loaded.stale:
+    specs.remove_leftover_temps()
+    state = loaded.checkpoint
+    recorded_mig = any(device.mig for record in state.claims.values() for device in record.devices)
+    # Reading the GPUs costs a little; a node that never created a MIG device need not.
+    live = live_mig_devices() if recorded_mig or ledger.entries() else ()
+    ours = _forget_gone(ledger, live)
+    if loaded.earlier_boot:
         for uid in sorted(set(loaded.stale) | specs.claim_uids()):
             specs.remove(uid)
         log.info("cleared the claims of an earlier boot", claims=len(loaded.stale))
-        return loaded.checkpoint
-    if loaded.moved_aside is None:
-        if not any(device.mig for record in loaded.checkpoint.claims.values() for device in record.devices):
-            return loaded.checkpoint
-        return _with_live_mig_devices(loaded.checkpoint, live_mig_devices(), specs)
-    live = live_mig_devices()
-    if live:
-        log.warning(
-            "MIG devices exist but the checkpoint that said which ones the driver created was lost; "
-            "they are kept and published as static MIG devices",
-            mig_uuids=[m.uuid for m in live],
-            what_to_do="destroy those no workload uses (nvidia-smi mig -dci, -dgi) once their pods are gone",
-        )
-    claims = dict(loaded.checkpoint.claims)
+        return state
+    if recorded_mig:
+        state = _with_live_mig_devices(state, live, specs)
+        _enter_recorded(ledger, state, ours)
+    # A spec without a record: the checkpoint was lost or damaged after the prepare wrote it.
+    claims = dict(state.claims)
     for uid in sorted(specs.claim_uids() - set(claims)):
-        record = _recovered(uid, specs, pool)
+        record = _recovered(uid, specs, pool, ours)
         if record is None:
             specs.remove(uid)
             continue
@@ -85,10 +96,37 @@ def starting_state(
             claim_uid=uid,
             devices=[d.device for d in record.devices],
         )
-    return loaded.checkpoint.model_copy(update={"claims": claims})
+    claimed = {d.mig.uuid for r in claims.values() for d in r.devices if d.mig is not None}
+    if unclaimed := sorted(set(ours) - claimed):
+        log.warning(
+            "MIG devices the driver created for prepares that never finished are kept as static devices",
+            mig_uuids=unclaimed,
+            what_to_do="destroy those no workload uses (nvidia-smi mig -dci, -dgi)",
+        )
+    if claims == state.claims:
+        return state
+    return state.model_copy(update={"claims": claims})
 
 
-def _recovered(uid: str, specs: SpecStore, pool: str) -> ClaimRecord | None:
+def _forget_gone(ledger: MigLedger, live: Sequence[MigDevice]) -> dict[str, MigRecord]:
+    """The ledger's entries of live devices; entries of devices that are gone are removed."""
+    alive = {m.uuid for m in live}
+    entries = ledger.entries()
+    for uuid in set(entries) - alive:
+        ledger.remove(uuid)
+    return {uuid: mig for uuid, mig in entries.items() if uuid in alive}
+
+
+def _enter_recorded(ledger: MigLedger, checkpoint: Checkpoint, ours: dict[str, MigRecord]) -> None:
+    """Enter the checkpoint's live MIG devices the ledger lacks (into ``ours`` too)."""
+    for record in checkpoint.claims.values():
+        for device in record.devices:
+            if device.mig is not None and device.mig.uuid is not None and device.mig.uuid not in ours:
+                ledger.add(device.mig)
+                ours[device.mig.uuid] = device.mig
+
+
+def _recovered(uid: str, specs: SpecStore, pool: str, ours: dict[str, MigRecord]) -> ClaimRecord | None:
     """The claim as its spec describes it; None (after logging why) when the spec is unusable."""
     try:
         spec = specs.read(uid)
@@ -98,11 +136,17 @@ def _recovered(uid: str, specs: SpecStore, pool: str) -> ClaimRecord | None:
     kind = spec.get("kind") if spec else None
     entries = spec.get("devices") if spec else None
     prefix = f"{uid}-"
-    names = [e.get("name") for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+    named = [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
     devices = tuple(
-        DeviceRecord(request="", pool=pool, device=name[len(prefix) :], cdi_device_ids=(f"{kind}={name}",))
-        for name in names
-        if isinstance(name, str) and name.startswith(prefix)
+        DeviceRecord(
+            request="",
+            pool=pool,
+            device=name[len(prefix) :],
+            cdi_device_ids=(f"{kind}={name}",),
+            mig=ours.get(_announced_uuid(entry, name[len(prefix) :])),
+        )
+        for entry in named
+        if isinstance(name := entry.get("name"), str) and name.startswith(prefix)
     )
     if not isinstance(kind, str) or not devices:
         log.warning("removing a CDI spec that names no device of its claim", claim_uid=uid)
@@ -110,6 +154,17 @@ def _recovered(uid: str, specs: SpecStore, pool: str) -> ClaimRecord | None:
     return ClaimRecord(
         namespace="", name="", phase="Recovered", attempt=secrets.token_hex(8), devices=devices
     )
+
+
+def _announced_uuid(entry: dict[str, object], device: str) -> str:
+    """The uuid the spec gives the container for ``device`` (``DRA_GPU_UUID_<DEVICE>``), or ""."""
+    edits = entry.get("containerEdits")
+    env = edits.get("env") if isinstance(edits, dict) else None
+    wanted = uuid_env_name(device) + "="
+    for variable in env if isinstance(env, list) else []:
+        if isinstance(variable, str) and variable.startswith(wanted):
+            return variable[len(wanted) :]
+    return ""
 
 
 def _with_live_mig_devices(checkpoint: Checkpoint, live: Sequence[MigDevice], specs: SpecStore) -> Checkpoint:

@@ -10,8 +10,11 @@ two A100-40GBs (gpu-2, gpu-3: MIG mode needs a reset) and two L4s (gpu-4, gpu-5:
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
+import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +24,11 @@ from dra_driver.app import desired_slices
 from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import Inventory, MigDevice, Placement
 from dra_driver.node import checkpoint as ckpt
+from dra_driver.node import checkpoint_log as ckpt_log
 from dra_driver.node.checkpoint import ClaimRecord, DeviceRecord, MigRecord
 from dra_driver.node.config import API_VERSION
 from dra_driver.node.preparer import NodePreparer
+from dra_driver.node.state import Reserve, apply
 from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice
 from dra_driver.resources.devices import partition_selected
 from dra_driver.settings import Settings
@@ -485,14 +490,14 @@ async def test_a_failed_checkpoint_write_after_the_create_destroys_the_device(
     preparer = await node.started()
     ref = new_ref()
     node.allocate(ref, "gpu-1-mig-1g10gb-19-5")
-    real_write = ckpt.write
+    real_append = ckpt_log.append
 
-    def failing_once_a_mig_uuid_is_in_it(path: Path, checkpoint: ckpt.Checkpoint) -> bytes:
-        if any(d.mig and d.mig.uuid for r in checkpoint.claims.values() for d in r.devices):
+    def failing_once_a_mig_uuid_is_in_it(path: Path, data: bytes, at: int) -> int:
+        if b'"uuid":"MIG-' in data:
             raise OSError(5, "Input/output error")
-        return real_write(path, checkpoint)
+        return real_append(path, data, at)
 
-    monkeypatch.setattr(ckpt, "write", failing_once_a_mig_uuid_is_in_it)
+    monkeypatch.setattr(ckpt_log, "append", failing_once_a_mig_uuid_is_in_it)
 
     assert "Input/output error" in error_of((await preparer.prepare([ref]))[ref.uid])
     assert live_migs(node, 1) == []
@@ -547,7 +552,7 @@ async def test_mig_operations_take_turns_per_gpu_and_run_in_parallel_across_gpus
 
 
 def crashed_record(
-    ref: ClaimRef, device: str, mig: MigRecord, phase: ckpt.Phase = "PrepareStarted"
+    ref: ClaimRef, device: str, mig: MigRecord | None, phase: ckpt.Phase = "PrepareStarted"
 ) -> ClaimRecord:
     return ClaimRecord(
         namespace=ref.namespace,
@@ -660,18 +665,64 @@ async def test_a_reboot_forgets_every_mig_device(node: Node) -> None:
     assert preparer.owned_mig_uuids() == frozenset()
 
 
-async def test_after_a_lost_checkpoint_created_devices_are_kept_as_static(node: Node) -> None:
-    ref = new_ref()
+async def test_after_a_lost_checkpoint_the_drivers_devices_are_still_its_own(node: Node) -> None:
+    ref, whole = new_ref(), new_ref("whole")
     node.allocate(ref, "gpu-1-mig-3g40gb-9-4")
     await (await node.started()).prepare([ref])
+    static = node.backend.admin_create_mig(1, "1g.10gb", 0)  # an administrator's, beside it
     node.checkpoint_path.write_text("{torn")
 
     preparer = await node.started()
-    assert await preparer.unprepare([ref]) == {ref.uid: None}
 
+    # The rebuilt record still knows the MIG device, so the full GPU is not given out under it
+    # (the checkpoint's rules refuse it even where the GPU's MIG mode would not)...
+    recovered = recorded_mig(node, ref.uid)
+    assert (recovered.parent_device, recovered.profile_id, recovered.placement_start) == ("gpu-1", 9, 4)
+    assert preparer.owned_mig_uuids() == {recovered.uuid}
+    _, [refused] = apply(node.on_disk(), [Reserve(whole.uid, crashed_record(whole, "gpu-1", None))])
+    assert "cannot be prepared whole: claim" in str(refused)
+    # ...and the claim's unprepare destroys it, while the administrator's stays.
+    assert await preparer.unprepare([ref]) == {ref.uid: None}
     assert node.on_disk().claims == {}
-    assert live_migs(node, 1) == [("3g.40gb", 4)]  # never destroyed on a guess
-    assert preparer.owned_mig_uuids() == frozenset()
+    assert [m.uuid for m in node.backend.inventory().gpus[1].mig_devices] == [static.uuid]
+
+
+async def test_a_device_the_ledger_lost_track_of_is_entered_again(node: Node) -> None:
+    ref = new_ref()
+    node.allocate(ref, "gpu-0-mig-3g40gb-9-0")
+    await (await node.started()).prepare([ref])
+    mig_uuid = recorded_mig(node, ref.uid).uuid
+    ledger = node.checkpoint_path.with_name("mig-devices")
+    for entry in os.listdir(ledger):  # a crash between the create and its entry
+        os.unlink(ledger / entry)
+
+    await node.started()
+    node.checkpoint_path.write_text("{torn")  # and then the checkpoint is lost, too
+    preparer = await node.started()
+
+    assert preparer.owned_mig_uuids() == {mig_uuid}
+
+
+async def test_leftover_temporary_spec_files_are_removed_at_start(node: Node) -> None:
+    """A temporary spec file nobody holds locked is a dead write's, however young: a crash and a
+    quick restart must not leave it. One a live writer holds (the other plugin instance of a rolling
+    update, writing right now) stays."""
+    node.cdi_dir.mkdir(parents=True, exist_ok=True)
+    prefix = f".{KIND.replace('/', '-')}_"
+    old, young = node.cdi_dir / f"{prefix}u-old.ab12.tmp", node.cdi_dir / f"{prefix}u-young.cd34.tmp"
+    in_progress = node.cdi_dir / f"{prefix}u-busy.ef56.tmp"
+    for leftover in (old, young, in_progress):
+        leftover.write_text("{half")
+    an_hour_ago = time.time() - 3600
+    os.utime(old, (an_hour_ago, an_hour_ago))
+
+    with in_progress.open() as writer:
+        fcntl.flock(writer, fcntl.LOCK_EX)
+        await node.started()
+
+    assert not old.exists()
+    assert not young.exists()
+    assert in_progress.exists()
 
 
 async def test_many_claims_on_many_gpus_of_a_16_gpu_node(tmp_path: Path) -> None:
