@@ -417,10 +417,11 @@ def pod_environment(pod: JsonObject) -> dict[str, str]:
     """The plugin container's environment as the kubelet would set it: values, and the downward API."""
     (container,) = pod["spec"]["containers"]
     fields = {"spec.nodeName": pod["spec"]["nodeName"], "metadata.uid": pod["metadata"]["uid"]}
+    # An empty value is stored as no value at all.
     return {
-        entry["name"]: entry["value"]
-        if "value" in entry
-        else fields[entry["valueFrom"]["fieldRef"]["fieldPath"]]
+        entry["name"]: fields[entry["valueFrom"]["fieldRef"]["fieldPath"]]
+        if "valueFrom" in entry
+        else entry.get("value", "")
         for entry in container["env"]
     }
 
