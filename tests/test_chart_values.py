@@ -210,7 +210,8 @@ def test_every_value_changes_what_is_deployed(
     assert changed != base, f"value {path} has no effect on the rendered chart: use it or remove it"
     if path in SETTING_OF_VALUE:
         name = SETTING_OF_VALUE[path]
-        assert plugin_env(changed)[env_name(name)]["value"] == str(example)
+        expected = str(example).lower() if isinstance(example, bool) else str(example)  # "false", as YAML
+        assert plugin_env(changed)[env_name(name)]["value"] == expected
 
 
 def test_every_value_of_the_schema_has_a_default_and_a_description() -> None:

@@ -18,14 +18,16 @@ def open_backend(
     procfs_root: Path = Path("/proc"),
     dev_root: Path = Path("/"),
     driver_root: Path | None = None,
+    simulated_fabric: str = "",
 ) -> Backend:
     """Simulated GPUs of node profile ``simulate`` (state kept in ``data_dir``), else the real ones via NVML.
 
-    ``driver_root`` is where this process sees the NVIDIA driver, to load NVML from.
+    ``driver_root`` is where this process sees the NVIDIA driver, to load NVML from;
+    ``simulated_fabric`` places simulated NVL72 GPUs in an NVLink clique.
     Raises DeviceError when the profile is unknown or NVML cannot start.
     """
     if simulate:
-        return SimulatedBackend(simulate, node_name, data_dir)
+        return SimulatedBackend(simulate, node_name, data_dir, fabric=simulated_fabric)
     return NvmlBackend(
         sysfs_root=sysfs_root, procfs_root=procfs_root, dev_root=dev_root, driver_root=driver_root
     )

@@ -31,6 +31,7 @@ import structlog
 from dra_driver.devices.backend import DeviceError, DeviceInUseError, PlacementUnavailableError
 from dra_driver.devices.catalog import load_catalog
 from dra_driver.devices.driver_root import LIBRARY_DIRS, find_in
+from dra_driver.devices.fabric import fabric_from_nvml
 from dra_driver.devices.naming import (
     ARCHITECTURE_HOPPER,
     GPU_INSTANCE_PROFILE_COUNT,
@@ -40,7 +41,7 @@ from dra_driver.devices.naming import (
     normalize_pci_bus_id,
     split_pci_device_id,
 )
-from dra_driver.devices.types import DeviceNode, Gpu, Inventory, MigDevice, MigProfile, Placement
+from dra_driver.devices.types import DeviceNode, FabricInfo, Gpu, Inventory, MigDevice, MigProfile, Placement
 
 log = structlog.get_logger(__name__)
 
@@ -252,7 +253,19 @@ class NvmlBackend:
             memory_slices=max((p.start + p.size for m in profiles for p in m.placements), default=0),
             mig_profiles=profiles,
             mig_devices=self._mig_devices(handle, uuid, minor, profiles) if mig_enabled else (),
+            fabric=self._fabric(handle),
         )
+
+    @staticmethod
+    def _fabric(handle: Any) -> FabricInfo | None:
+        """The GPU's NVLink fabric info; None where the GPU or the driver has none (pre-Hopper)."""
+        info = pynvml.c_nvmlGpuFabricInfo_t()
+        try:
+            pynvml.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(info))
+        except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
+            return None
+        status = str(info.status)
+        return fabric_from_nvml(bytes(info.clusterUuid), int(info.cliqueId), int(info.state), status)
 
     @staticmethod
     def _mig_mode(handle: Any) -> int | None:

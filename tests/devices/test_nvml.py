@@ -26,6 +26,7 @@ import pytest
 from dra_driver.devices.backend import DeviceError, DeviceInUseError, PlacementUnavailableError
 from dra_driver.devices.backends import open_backend
 from dra_driver.devices.catalog import GpuModel, gpu_model
+from dra_driver.devices.fabric import node_clique
 from dra_driver.devices.nvml import NvmlBackend
 from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import DeviceNode, Placement
@@ -71,6 +72,8 @@ class FakeGpu:
     full_gpu_busy: bool = False
     struct_names: dict[int, bytes] = field(default_factory=dict)
     gpu_instances: dict[int, FakeGpuInstance] = field(default_factory=dict)
+    # (cluster uuid bytes, clique id, nvmlGpuFabricState_t); None: NVML says NotSupported
+    fabric: tuple[bytes, int, int] | None = None
 
     @property
     def minor(self) -> int:
@@ -176,6 +179,14 @@ class FakeNvml:
 
     def nvmlDeviceGetMinorNumber(self, gpu):
         return gpu.minor
+
+    def nvmlDeviceGetGpuFabricInfo(self, gpu, info_ref):
+        if gpu.fabric is None:
+            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        info = info_ref._obj
+        cluster, info.cliqueId, info.state = gpu.fabric
+        info.clusterUuid[:] = list(cluster)
+        info.status = pynvml.NVML_SUCCESS
 
     # --- MIG mode and profiles ---
 
@@ -452,6 +463,24 @@ def test_full_gpus_are_described_from_nvml(host, install):
     assert (l4.mig_profiles, l4.memory_slices, l4.mig_mode_change_requires_reset) == ((), 0, False)
     assert inventory.driver_version == "580.95.05"
     assert inventory.cuda_driver_version == (12, 8)
+
+
+def test_fabric_info_names_the_nvlink_clique(host, install):
+    fake = _fake(host, "gb200", "gb200")
+    cluster = uuid.UUID("8a2d6e1c-1b1e-4a3e-9f0a-2b6c1d7e5f40")
+    for gpu in fake.gpus:
+        gpu.fabric = (cluster.bytes, 7, pynvml.NVML_GPU_FABRIC_STATE_COMPLETED)
+    install(fake)
+    inventory = host.backend().inventory()
+    assert {gpu.fabric.clique for gpu in inventory.gpus if gpu.fabric} == {f"{cluster}.7"}
+    assert node_clique(inventory).clique == f"{cluster}.7"
+
+
+def test_gpus_without_fabric_info_join_no_clique(host, install):
+    install(_fake(host, "h100-sxm5-80gb"))
+    inventory = host.backend().inventory()
+    assert inventory.gpus[0].fabric is None
+    assert "without NVLink fabric info" in node_clique(inventory).reason
 
 
 def test_ampere_is_known_to_need_a_reset_for_mig_mode(host, install):

@@ -139,6 +139,7 @@ def test_every_mig_capable_simulated_gpu_and_node_has_golden_slices() -> None:
         "dgx-b200",
         "dgx-h100",
         "dgx-h200",
+        "gb200-nvl72",
         "hgx-h100-16",
         "mixed",
     }
@@ -146,6 +147,7 @@ def test_every_mig_capable_simulated_gpu_and_node_has_golden_slices() -> None:
         "a100-sxm4-40gb",
         "a100-sxm4-80gb",
         "b200-180gb",
+        "gb200",
         "h100-sxm5-80gb",
         "h200-sxm-141gb",
     }
