@@ -254,11 +254,36 @@ def test_chart_passes_helm_lint_strict(helm: Path, values_file: Path | None) -> 
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def _compute_domain_object(manifest: Manifest) -> bool:
+    """Part of ComputeDomains (compute-domains.yaml), not of the kubelet plugin."""
+    return "compute-domain" in manifest["metadata"]["name"] or manifest["kind"] == "CustomResourceDefinition"
+
+
+def test_compute_domains_use_nvidias_names_when_deployed_as_nvidia(helm: Path) -> None:
+    manifests = render(helm, {"driverName": "gpu.nvidia.com"})
+    (crd,) = of_kind(manifests, "CustomResourceDefinition")
+    assert crd["metadata"]["name"] == "computedomains.resource.nvidia.com"
+    assert [v["name"] for v in crd["spec"]["versions"]] == ["v1beta1"]
+    classes = {m["metadata"]["name"] for m in of_kind(manifests, "DeviceClass")}
+    assert {"compute-domain-default-channel.nvidia.com", "compute-domain-daemon.nvidia.com"} <= classes
+    (deployment,) = of_kind(manifests, "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["dra-driver", "compute-domain-controller"]
+    ours = render(helm, {})
+    (crd,) = of_kind(ours, "CustomResourceDefinition")
+    assert crd["metadata"]["name"] == "computedomains.resource.dra-driver.dev"
+
+
+def test_compute_domains_can_be_left_out(helm: Path) -> None:
+    manifests = render(helm, {"computeDomainController": {"enabled": False}})
+    assert not [m for m in manifests if _compute_domain_object(m)]
+
+
 @pytest.mark.parametrize("values_file", VALUES_FILES, ids=VALUES_IDS)
 def test_the_account_the_pods_run_as_is_the_one_bound_and_policed(
     helm: Path, values_file: Path | None
 ) -> None:
-    manifests = render(helm, values_file=values_file)
+    manifests = [m for m in render(helm, values_file=values_file) if not _compute_domain_object(m)]
     given = yaml.safe_load(values_file.read_text()) if values_file else {}
     account = pod_spec(manifests)["serviceAccountName"]
 
@@ -275,7 +300,9 @@ def test_the_account_the_pods_run_as_is_the_one_bound_and_policed(
 
 def test_device_classes_follow_the_driver_name(helm: Path) -> None:
     def classes(driver: str | None) -> dict[str, str]:
-        manifests = render(helm, {"driverName": driver} if driver else {})
+        manifests = [
+            m for m in render(helm, {"driverName": driver} if driver else {}) if not _compute_domain_object(m)
+        ]
         return {
             m["metadata"]["name"]: m["spec"]["selectors"][0]["cel"]["expression"]
             for m in of_kind(manifests, "DeviceClass")
