@@ -29,6 +29,7 @@ from dra_driver.computedomain.node import ComputeDomainPreparer, compute_domain_
 from dra_driver.devices.fabric import node_clique
 from dra_driver.devices.types import Inventory
 from dra_driver.kubelet.server import KubeletPlugin
+from dra_driver.kubelet.sockets import KubeletSocketError
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
 from dra_driver.resources.publisher import SlicePublisher
 
@@ -151,18 +152,24 @@ class ComputeDomainPlugin:
             state_dir=self._state_dir,
             channel_major=major,
         )
+        try:
+            plugin = KubeletPlugin(
+                self.names.driver,
+                self.preparer,
+                plugins_dir=self._plugins_dir,
+                registry_dir=self._registry_dir,
+                pod_uid=self._pod_uid,
+            )
+            await plugin.start()
+        except KubeletSocketError as error:
+            # The GPUs are served all the same; only multi-node NVLink is off on this node.
+            log.error("no ComputeDomains on this node", driver=self.names.driver, error=str(error))
+            return False
+        self._plugin = plugin
         self._publisher = SlicePublisher(
             self._api, driver=self.names.driver, node_name=self._node, node_uid=self._node_uid
         )
         self._publisher.set_desired(compute_domain_slices(clique.clique))
-        self._plugin = KubeletPlugin(
-            self.names.driver,
-            self.preparer,
-            plugins_dir=self._plugins_dir,
-            registry_dir=self._registry_dir,
-            pod_uid=self._pod_uid,
-        )
-        await self._plugin.start()
         log.info("serving ComputeDomains", driver=self.names.driver, clique=clique.clique)
         return True
 
