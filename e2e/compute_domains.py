@@ -71,7 +71,7 @@ class ExtraControllers:
 
 
 class ControllerProcess:
-    def __init__(self, cluster: ClusterInfo, namespace: str, log: Path, ready_timeout: float) -> None:
+    def __init__(self, kubeconfig: Path, namespace: str, log: Path, ready_timeout: float) -> None:
         self.namespace = namespace
         self._argv = [
             sys.executable,
@@ -81,7 +81,7 @@ class ControllerProcess:
             f"--driver-name={DRIVER}",
             f"--namespace={namespace}",
             "--daemon-image=ghcr.io/dra-driver/dra-driver-gpu:e2e",
-            f"--kubeconfig={cluster.kubeconfig}",
+            f"--kubeconfig={kubeconfig}",
             f"--daemon-ready-timeout-seconds={ready_timeout}",
             "--resync-seconds=30",
             "--log-format=console",
@@ -113,7 +113,7 @@ class DaemonPodRunner:
     """The container runtime of the IMEX daemon pods (see the module docstring)."""
 
     rest: RestClient
-    cluster: ClusterInfo
+    kubeconfig: Path  # the daemon pods' identity
     namespace: str
     nodes: dict[str, GpuNode]
     pod_ips: dict[str, str]
@@ -203,7 +203,7 @@ class DaemonPodRunner:
             POD_NAME=pod["metadata"]["name"],
             POD_NAMESPACE=self.namespace,
             DRA_DRIVER_NAME=DRIVER,
-            DRA_KUBECONFIG=str(self.cluster.kubeconfig),
+            DRA_KUBECONFIG=str(self.kubeconfig),
             DRA_IMEX_CONFIG_DIR=mount["hostPath"],
             DRA_IMEX_SERVER_PORT=str(self.port),
             DRA_LOG_FORMAT="console",

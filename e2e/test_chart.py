@@ -386,9 +386,9 @@ def pod_environment(pod: JsonObject) -> dict[str, str]:
     (container,) = pod["spec"]["containers"]
     fields = {"spec.nodeName": pod["spec"]["nodeName"], "metadata.uid": pod["metadata"]["uid"]}
     return {
-        entry["name"]: entry["value"]
-        if "value" in entry
-        else fields[entry["valueFrom"]["fieldRef"]["fieldPath"]]
+        entry["name"]: fields[entry["valueFrom"]["fieldRef"]["fieldPath"]]
+        if "valueFrom" in entry
+        else entry.get("value", "")  # the API server drops an empty value
         for entry in container["env"]
     }
 

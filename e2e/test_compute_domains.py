@@ -18,6 +18,8 @@ from e2e import manifests
 from e2e.cluster import ClusterInfo, RestClient
 from e2e.cluster.binaries import REPO_ROOT, ControlPlaneBinaries, build_outputs
 from e2e.cluster.controlplane import free_ports
+from e2e.cluster.credentials import write_kubeconfig
+from e2e.cluster.tokens import mint_service_account_token
 from e2e.compute_domains import (
     CD_DRIVER,
     CDI_ANNOTATION,
@@ -48,22 +50,47 @@ class Rack:
         return f"{CLUSTER_UUID}.{CLIQUES[node]}"
 
 
-def _chart_objects(names: set[str]) -> list[dict[str, Any]]:
+# Where the chart's ComputeDomain objects are created, by kind.
+_PATHS = {
+    "CustomResourceDefinition": "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
+    "DeviceClass": "/apis/resource.k8s.io/v1/deviceclasses",
+    "ServiceAccount": "/api/v1/namespaces/{ns}/serviceaccounts",
+    "ClusterRole": "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+    "ClusterRoleBinding": "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+    "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
+    "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
+}
+
+
+def _chart_compute_domain_objects(namespace: str) -> list[tuple[str, dict[str, Any]]]:
+    """The chart's ComputeDomain objects but the controller Deployment (run here as a process), each
+    with the collection to create it in: what `helm install --set driverName=gpu.nvidia.com` creates."""
     helm = Path(build_outputs("helm")["HELM_BIN_DIR"]) / "helm"
+    chart = str(REPO_ROOT / "charts" / "dra-driver-gpu")
     rendered = subprocess.run(
-        [
-            str(helm),
-            "template",
-            "cd",
-            str(REPO_ROOT / "charts" / "dra-driver-gpu"),
-            "--set",
-            f"driverName={DRIVER}",
-        ],
+        [str(helm), "template", "cd", chart, "--namespace", namespace, "--set", f"driverName={DRIVER}"],
         check=True,
         capture_output=True,
         text=True,
     ).stdout
-    return [o for o in yaml.safe_load_all(rendered) if o and o["kind"] in names]
+    objects = []
+    for obj in yaml.safe_load_all(rendered):
+        if not obj or obj["kind"] not in _PATHS:
+            continue
+        if obj["kind"] != "CustomResourceDefinition" and "compute-domain" not in obj["metadata"]["name"]:
+            continue
+        objects.append((_PATHS[obj["kind"]].format(ns=namespace), obj))
+    return objects
+
+
+def _kubeconfig_of(cluster: ClusterInfo, namespace: str, account: str, path: Path) -> Path:
+    """A kubeconfig with a token of `account` alone: the permissions the chart gives it, no more."""
+    with cluster.api_client() as api:
+        token = mint_service_account_token(api, namespace, account, expiration_seconds=7200)
+    write_kubeconfig(
+        path, server=cluster.server, ca_certificate=cluster.ca_file.read_bytes(), user=account, token=token
+    )
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -79,16 +106,12 @@ def rack(
     stops: list[Any] = []
     driver_namespace = f"cd-driver-{uuid.uuid4().hex[:6]}"
     try:
-        # The chart's CRD and compute-domain DeviceClasses, as `helm install` would create them.
-        for obj in _chart_objects({"CustomResourceDefinition", "DeviceClass"}):
-            if obj["kind"] == "DeviceClass" and not obj["metadata"]["name"].startswith("compute-domain"):
-                continue
-            if obj["kind"] == "CustomResourceDefinition":
-                path = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
-            else:
-                path = "/apis/resource.k8s.io/v1/deviceclasses"
-            rest.create(path, obj)
-            created.append(f"{path}/{obj['metadata']['name']}")
+        rest.create("/api/v1/namespaces", {"metadata": {"name": driver_namespace}})
+        created.append(f"/api/v1/namespaces/{driver_namespace}")
+        # The chart's CRD, DeviceClasses, accounts and RBAC, as `helm install` would create them.
+        for collection, obj in _chart_compute_domain_objects(driver_namespace):
+            rest.create(collection, obj)
+            created.append(f"{collection}/{obj['metadata']['name']}")
         rest.wait_for(
             "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
             "computedomains.resource.nvidia.com",
@@ -97,13 +120,23 @@ def rack(
                 for c in crd.get("status", {}).get("conditions", [])
             ),
         )
-        rest.create("/api/v1/namespaces", {"metadata": {"name": driver_namespace}})
-        created.append(f"/api/v1/namespaces/{driver_namespace}")
 
         extra = ExtraControllers(control_plane_binaries, cluster, base / "kube-controller-manager.log")
         extra.start()
         stops.append(extra.stop)
-        controller = ControllerProcess(cluster, driver_namespace, base / "controller.log", READY_TIMEOUT)
+        # The controller and the daemons run with the chart's RBAC only.
+        controller_kubeconfig = _kubeconfig_of(
+            cluster,
+            driver_namespace,
+            "cd-dra-driver-gpu-compute-domain-controller",
+            base / "controller.kubeconfig",
+        )
+        daemon_kubeconfig = _kubeconfig_of(
+            cluster, driver_namespace, "compute-domain-daemon", base / "daemon.kubeconfig"
+        )
+        controller = ControllerProcess(
+            controller_kubeconfig, driver_namespace, base / "controller.log", READY_TIMEOUT
+        )
         controller.start()
         stops.append(controller.stop)
 
@@ -122,7 +155,7 @@ def rack(
             nodes[name] = node
         pod_ips = {name: f"127.0.{77 + i}.1" for i, name in enumerate(CLIQUES)}
         (port,) = free_ports(1)
-        runner = DaemonPodRunner(rest, cluster, driver_namespace, nodes, pod_ips, port, base)
+        runner = DaemonPodRunner(rest, daemon_kubeconfig, driver_namespace, nodes, pod_ips, port, base)
         runner.start()
         stops.append(runner.stop)
         yield Rack(rest, nodes, runner, driver_namespace)

@@ -198,11 +198,12 @@ class ImexDaemon:
             await asyncio.sleep(_RECONNECT_S)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A peer's link: held open until either side goes."""
         try:
             while await reader.read(4096):
                 pass
-        except OSError:
-            pass
+        except (OSError, asyncio.CancelledError):
+            pass  # shutting down (the server cancels its handlers) or the peer reset the link
         finally:
             writer.close()
 
