@@ -57,19 +57,28 @@ def _add_flags(parser: argparse.ArgumentParser, flags: list[tuple[str, Any, str]
             "--" + name.replace("_", "-"),
             dest=name,
             type=type(default),
-            default=type(default)(os.environ.get(env, default)),
+            # A string default goes through `type` too, so a bad variable fails like a bad flag.
+            default=os.environ.get(env, str(default)),
             help=f"{help_text} [env {env}; default {default}]",
         )
 
 
+class ConfigurationError(Exception):
+    """The API server's address or credentials cannot be loaded."""
+
+
 async def _api(kubeconfig: str) -> kube_client.ApiClient:
     configuration = kube_client.Configuration()
-    if kubeconfig:
-        await kube_config.load_kube_config(  # type: ignore[no-untyped-call]
-            config_file=kubeconfig, client_configuration=configuration
-        )
-    else:
-        kube_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+    try:
+        if kubeconfig:
+            await kube_config.load_kube_config(  # type: ignore[no-untyped-call]
+                config_file=kubeconfig, client_configuration=configuration
+            )
+        else:
+            kube_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+    except Exception as error:  # the loaders raise many types for one meaning
+        where = f"kubeconfig {kubeconfig}" if kubeconfig else "the in-cluster service account"
+        raise ConfigurationError(f"cannot load {where}: {error or type(error).__name__}") from None
     return kube_client.ApiClient(configuration)
 
 
@@ -115,9 +124,14 @@ def _controller(args: argparse.Namespace) -> int:
 
 
 def _daemon(args: argparse.Namespace) -> int:
-    from dra_driver.computedomain.daemon import run_daemon
+    from dra_driver.computedomain.daemon import DaemonIdentity, run_daemon
 
     if not _setup(args):
+        return 2
+    try:
+        DaemonIdentity.from_environment()  # before anything else: say at once what is missing
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
 
     async def run() -> None:
@@ -137,7 +151,7 @@ def _run(main: Any) -> int:
         asyncio.run(main)
     except KeyboardInterrupt:
         return 0
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, ConfigurationError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0
