@@ -5,7 +5,7 @@ PYTHON ?= .venv/bin/python
 HELM = $$(hack/build-kube.sh helm | sed -n 's/^HELM_BIN_DIR=//p')/helm
 CHART = charts/dra-driver-gpu
 
-.PHONY: help venv demo test lint unit e2e bench gen gen-check kube-build cluster-up cluster-down cluster-status
+.PHONY: help venv demo test lint unit e2e bench reliability gen gen-check kube-build mock-nvml cluster-up cluster-down cluster-status
 
 ## help: list the targets
 help:
@@ -16,7 +16,8 @@ venv:
 	@hack/setup-venv.sh
 
 ## demo: a local control plane, the driver on a simulated DGX H100, the kubelet harness and sample claims
-demo: venv kube-build
+## (`make demo DEMO_NVML=mock`: the driver's NVML backend on the mock libnvidia-ml.so.1 instead)
+demo: venv kube-build mock-nvml
 	$(PYTHON) hack/demo.py
 
 ## test: everything CI checks: lint, generated-code checks, unit, component, integration and e2e tests
@@ -31,16 +32,21 @@ lint: venv
 	  for values in $(CHART)/ci/*-values.yaml; do $$helm lint --strict $(CHART) --values $$values || exit 1; done
 
 ## unit: unit and component tests (no control plane needed; helm renders the chart)
-unit: venv kube-build
+unit: venv kube-build mock-nvml
 	$(PYTHON) -m pytest tests
 
 ## e2e: integration and end-to-end tests against the real control plane and the kubelet harness
-e2e: venv kube-build
+e2e: venv kube-build mock-nvml
 	$(PYTHON) -m pytest e2e
 
 ## bench: prepare latency, throughput, start-up and RSS; writes _output/bench.json
 bench: venv kube-build
 	$(PYTHON) -m bench.prepare_bench
+
+## reliability: the fault suite at full size (kill -9, API server outage, full disk, two instances,
+## fuzzing), about 20 minutes; writes _output/reliability.json (`make test` runs a CI-sized subset)
+reliability: venv kube-build
+	$(PYTHON) -m e2e.reliability
 
 ## gen: regenerate the committed generated code and docs (protobuf, config JSON schema, settings table)
 gen: venv
@@ -58,6 +64,11 @@ gen-check: venv
 ## harness, etcd and helm into the version-keyed cache (only what is missing or stale)
 kube-build:
 	hack/build-kube.sh >/dev/null
+
+## mock-nvml: build the mock libnvidia-ml.so.1 (NVML's C interface over NVIDIA's go-nvml GPU mocks) into
+## the cache (only when missing or stale)
+mock-nvml:
+	hack/build-mock-nvml.sh >/dev/null
 
 ## cluster-up: start a local control plane in the background; admin kubeconfig in _output/kubeconfig
 cluster-up: venv kube-build

@@ -10,22 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import structlog
-from kubernetes.aio import client as kube_client
-from kubernetes.aio import config as kube_config
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from dra_driver import kube
 from dra_driver.cdi.spec import CommonEdits, common_edits
 from dra_driver.cdi.store import SpecStore
 from dra_driver.computedomain.plugin import ComputeDomainPlugin
 from dra_driver.devices.backend import Backend, DeviceError
 from dra_driver.devices.backends import open_backend
-from dra_driver.devices.driver_root import find_driver_files
+from dra_driver.devices.driver_root import find_cdi_hook, find_driver_files, parse_capabilities
 from dra_driver.devices.health import HealthSource, NodeFaults, open_health_source
 from dra_driver.devices.types import HealthState, Inventory
 from dra_driver.http import StatusServer
@@ -53,7 +54,16 @@ from dra_driver.resources.taints import (
     unknown_gpus,
 )
 from dra_driver.resources.wire import DeviceTaint
-from dra_driver.settings import Settings, TaintsOnRecovery, xid_numbers
+from dra_driver.settings import Settings, TaintsOnRecovery, partition_gpus, xid_numbers
+from dra_driver.startup import (
+    check_before_starting,
+    check_mig_partitions,
+    load_kube_configuration,
+    start_status_server,
+)
+
+if TYPE_CHECKING:  # only for the annotations: dra_driver.kube imports the client's machinery
+    from kubernetes.aio.client import ApiClient
 
 log = structlog.get_logger("dra_driver.app")
 
@@ -70,7 +80,7 @@ def partition_policy(setting: str) -> PartitionPolicy:
         return partition_all
     if setting == "none":
         return partition_none
-    return partition_selected([part.strip() for part in setting.split(",") if part.strip()])
+    return partition_selected(partition_gpus(setting))
 
 
 def desired_slices(
@@ -104,7 +114,10 @@ def edits_for(settings: Settings, inventory: Inventory) -> CommonEdits:
     """What every container with one of our GPUs needs from the host."""
     try:
         files = find_driver_files(
-            settings.driver_root, inventory.driver_version, seen_at=settings.driver_root_mount
+            settings.driver_root,
+            inventory.driver_version,
+            seen_at=settings.driver_root_mount,
+            capabilities=parse_capabilities(settings.driver_capabilities),
         )
     except DeviceError as err:
         if not settings.simulate:
@@ -112,28 +125,43 @@ def edits_for(settings: Settings, inventory: Inventory) -> CommonEdits:
         # Simulated GPUs on a machine without the NVIDIA driver: nothing to mount, and that is fine.
         log.info("no NVIDIA driver files for the simulated GPUs; specs mount none", reason=str(err))
         files = None
-    return common_edits(inventory, files)
-
-
-async def api_client(settings: Settings) -> kube_client.ApiClient:
-    configuration = kube_client.Configuration()
-    if settings.kubeconfig is not None:
-        await kube_config.load_kube_config(  # type: ignore[no-untyped-call]
-            config_file=str(settings.kubeconfig), client_configuration=configuration
+    hook_path = settings.nvidia_cdi_hook_path or find_cdi_hook(
+        settings.driver_root, seen_at=settings.driver_root_mount
+    )
+    if files is not None and hook_path is None:
+        log.info(
+            "no nvidia-cdi-hook: specs create no library symlinks and leave the linker cache alone",
+            hint="set nvidia-cdi-hook-path, or install the NVIDIA container toolkit in the driver root",
         )
-    else:
-        kube_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-    return kube_client.ApiClient(configuration)
+    return common_edits(inventory, files, hook_path=hook_path if files is not None else None)
 
 
-async def node_uid(api: kube_client.ApiClient, node_name: str) -> str | None:
+async def api_client(settings: Settings) -> ApiClient:
+    """A client of the API server: from the kubeconfig if one is set, else the pod's service account."""
+    configuration = kube.Configuration()
+    await load_kube_configuration(settings.kubeconfig, configuration)
+    return kube.ApiClient(configuration)
+
+
+async def node_uid(api: ApiClient, node_name: str) -> str | None:
     """The Node's UID for the slices' owner reference; ``None`` (no owner) if it cannot be read yet."""
     try:
-        node = await kube_client.CoreV1Api(api).read_node(node_name)
+        request = await api.param_serialize(
+            method="GET",
+            resource_path="/api/v1/nodes/{name}",
+            path_params={"name": node_name},
+            header_params={"Accept": "application/json"},
+            auth_settings=["BearerToken"],
+        )
+        response: Any = await api.call_api(*request, _request_timeout=10)
+        body = await response.read()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {body[:200].decode(errors='replace')}")
+        uid = json.loads(body)["metadata"]["uid"]
     except Exception as err:  # an outage must not stop the node from serving claims
         log.warning("node not readable; slices get no owner reference", node=node_name, error=str(err))
         return None
-    return node.metadata.uid if node.metadata else None
+    return uid if isinstance(uid, str) else None
 
 
 class InventoryWatch:
@@ -264,40 +292,48 @@ async def run_plugin(settings: Settings, stop: asyncio.Event | None = None) -> N
     """Run the daemon until SIGTERM/SIGINT (or ``stop``); leaves no socket of its own behind."""
     started = time.monotonic()
     stop = stop or _stop_on_signals()
-    state_dir = settings.state_dir
-    state_dir.mkdir(parents=True, exist_ok=True)
+    check_before_starting(settings)  # what the user can get wrong, before anything is logged or opened
     async with contextlib.AsyncExitStack() as held:
+        api = await api_client(settings)
+        held.push_async_callback(api.close)
+        metrics = Metrics()
+        status = None
+        if settings.http_address:
+            # Bound first: a wrong address fails at once, and probes get answers while GPUs are read.
+            status = StatusServer(settings.http_address, metrics, lambda: "starting")
+            await start_status_server(status, settings.http_address)
+            held.push_async_callback(status.stop)
         backend = await asyncio.to_thread(
             open_backend,
             settings.simulate or None,
-            state_dir,
+            settings.state_dir,
             settings.node_name,
             driver_root=settings.driver_root_mount or settings.driver_root,
             simulated_fabric=settings.simulate_fabric,
         )
         held.push_async_callback(asyncio.to_thread, backend.close)
         inventory = await asyncio.to_thread(backend.inventory)
+        check_mig_partitions(settings, inventory)
         log.info(
             "GPUs discovered",
             backend="simulated:" + settings.simulate if settings.simulate else "nvml",
             gpus=len(inventory.gpus),
             driver_version=inventory.driver_version,
         )
-        api = await api_client(settings)
-        held.push_async_callback(api.close)
-        await _serve(settings, backend, inventory, api, stop, started)
+        await _serve(settings, backend, inventory, api, metrics, status, stop, started)
 
 
 async def _serve(
     settings: Settings,
     backend: Backend,
     inventory: Inventory,
-    api: kube_client.ApiClient,
+    api: ApiClient,
+    metrics: Metrics,
+    status: StatusServer | None,
     stop: asyncio.Event,
     started: float,
 ) -> None:
     state_dir = settings.state_dir
-    metrics = Metrics()
     health = HealthBoard()
     policy = taint_policy(settings)
     own_node_uid = await node_uid(api, settings.node_name)
@@ -396,11 +432,10 @@ async def _serve(
         simulated=bool(settings.simulate),
     )
 
-    status = StatusServer(settings.http_address, metrics, readiness) if settings.http_address else None
+    if status is not None:
+        status.readiness = readiness
     tasks: list[asyncio.Task[None]] = []
     try:
-        if status is not None:
-            await status.start()
         await plugin.start()
         if settings.compute_domains:
             await compute_domains.start()
@@ -429,8 +464,6 @@ async def _serve(
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if status is not None:
-            await status.stop()
 
 
 async def _until_stopped(stop: asyncio.Event, tasks: list[asyncio.Task[None]]) -> None:

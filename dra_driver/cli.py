@@ -4,6 +4,11 @@
 * ``inventory``: the node's GPUs and the exact ResourceSlices the daemon would publish, offline;
 * ``simulate``: change the simulated GPUs (faults, busy GPUs, MIG made by an administrator);
 * ``compute-domain-controller`` and ``compute-domain-daemon``: ComputeDomains (multi-node NVLink).
+
+Whatever the user got wrong (a flag, an env var, a kubeconfig, a directory, a GPU that is not
+there) ends the command in :func:`main` with one line on stderr and a non-zero exit; see
+:mod:`dra_driver.errors`.
+>>>>>>> main
 """
 
 from __future__ import annotations
@@ -13,23 +18,29 @@ import asyncio
 import signal
 import sys
 import tempfile
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import yaml
 
 from dra_driver import __version__
 from dra_driver.app import desired_slices, run_plugin
-from dra_driver.cli_settings import add_settings_flags, settings_from
+from dra_driver.cli_settings import add_settings_flags, requested_log_format, settings_from
 from dra_driver.computedomain.cli import add_commands as add_compute_domain_commands
 from dra_driver.devices.backend import DeviceError
 from dra_driver.devices.backends import open_backend
 from dra_driver.devices.sim_nodes import NODE_PROFILES
 from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import Gpu
-from dra_driver.log import configure
+from dra_driver.errors import EXIT_FAILURE, EXIT_USAGE, StartupError
+from dra_driver.kubelet.sockets import KubeletSocketError
+from dra_driver.log import configure, crash_line, error_line, wants_json
 from dra_driver.node.checkpoint import BootIdUnavailable, CheckpointFromNewerDriver
 from dra_driver.resources.pool import PoolOwner, plan_pool
+from dra_driver.settings import xid_numbers
+from dra_driver.startup import check_mig_partitions
 
 # The settings the offline commands honour; the daemon takes them all.
 _INVENTORY_SETTINGS = [
@@ -45,17 +56,63 @@ _SIMULATE_SETTINGS = ["driver_name", "node_name", "simulate", "data_dir", "plugi
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; the one place where its errors become the line the user reads.
+
+    A :class:`StartupError`, a device's refusal or a socket that cannot be made ends it with
+    ``error: ...`` (or one JSON log event, see :func:`~dra_driver.log.error_line`). A bug still
+    shows its traceback; in JSON mode inside one log event, so the log stays one event a line.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _run(argv)
+    except StartupError as err:
+        return _exit(str(err), err.exit_code, argv)
+    except (DeviceError, KubeletSocketError, BootIdUnavailable, CheckpointFromNewerDriver) as err:
+        return _exit(str(err), EXIT_FAILURE, argv)
+    except KeyboardInterrupt:
+        return 130  # Ctrl-C before the daemon's own signal handling took over
+    except Exception:
+        if not wants_json(requested_log_format(argv)):
+            raise
+        print(crash_line(traceback.format_exc()), file=sys.stderr, flush=True)
+        return EXIT_FAILURE
+
+
+def _exit(message: str, code: int, argv: list[str]) -> int:
+    print(error_line(message, requested_log_format(argv), exit_code=code), file=sys.stderr, flush=True)
+    return code
+
+
+def _run(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
-        return 2
+        return EXIT_USAGE
     result: int = args.run(args)
     return result
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line is a :class:`StartupError` (one line) instead of usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        raise StartupError(f"{message}; see `{self.prog} --help`", exit_code=EXIT_USAGE)
+
+
+def _xid(text: str) -> int:
+    """``--xid``: one positive Xid number."""
+    try:
+        xids = xid_numbers(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if len(xids) != 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one Xid number, e.g. 79")
+    return xids[0]
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dra-driver",
         description="A Kubernetes DRA driver for NVIDIA GPUs. Every flag can also be set by the "
         "environment variable named in its help.",
@@ -91,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
         add_settings_flags(action, _SIMULATE_SETTINGS)
         action.add_argument("--gpu", required=True, help="GPU index or UUID (or a MIG UUID for busy)")
         if name == "xid":
-            action.add_argument("--xid", type=int, required=True, help="the Xid number, e.g. 79")
+            action.add_argument("--xid", type=_xid, required=True, help="the Xid number, e.g. 79")
         if name == "busy":
             action.add_argument("--free", action="store_true", help="mark it free again")
         if name == "create-mig":
@@ -109,16 +166,11 @@ def _kubelet_plugin(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     configure(settings.log_format, settings.log_level)
     if not settings.node_name:
-        print(
-            "error: --node-name / DRA_NODE_NAME is required (the downward API's spec.nodeName)",
-            file=sys.stderr,
+        raise StartupError(
+            "--node-name / DRA_NODE_NAME is required (the downward API's spec.nodeName)",
+            exit_code=EXIT_USAGE,
         )
-        return 2
-    try:
-        asyncio.run(run_plugin(settings))
-    except (DeviceError, BootIdUnavailable, CheckpointFromNewerDriver) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    asyncio.run(run_plugin(settings))
     return 0
 
 
@@ -134,13 +186,12 @@ def _inventory(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="dra-driver-inventory-") as scratch:
         # Offline, a simulated node starts fresh unless --data-dir points at a daemon's state.
         data_dir = settings.data_dir or Path(scratch)
+        backend = open_backend(settings.simulate or None, data_dir, node)
         try:
-            backend = open_backend(settings.simulate or None, data_dir, node)
             inventory = backend.inventory()
+        finally:
             backend.close()
-        except DeviceError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 1
+    check_mig_partitions(settings, inventory)
     owner = PoolOwner(driver=settings.driver_name, node_name=node)
     plan = plan_pool(desired_slices(settings, inventory), [], owner=owner)
     source = f"simulated {settings.simulate}" if settings.simulate else "NVML"
@@ -172,22 +223,16 @@ def _gpu_line(gpu: Gpu) -> str:
 def _simulate(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     if not settings.simulate:
-        print(
-            "error: --simulate / DRA_SIMULATE names the node profile of the simulated GPUs", file=sys.stderr
+        raise StartupError(
+            "--simulate / DRA_SIMULATE names the node profile of the simulated GPUs", exit_code=EXIT_USAGE
         )
-        return 2
     if not settings.node_name:
-        print(
-            "error: --node-name / DRA_NODE_NAME is required: GPU identities derive from it", file=sys.stderr
+        raise StartupError(
+            "--node-name / DRA_NODE_NAME is required: GPU identities derive from it", exit_code=EXIT_USAGE
         )
-        return 2
-    gpu: str | int = int(args.gpu) if args.gpu.isdigit() else args.gpu
-    try:
-        backend = SimulatedBackend(settings.simulate, settings.node_name, settings.state_dir)
-        _apply_simulation(backend, args, gpu)
-    except (DeviceError, KeyError, ValueError, StopIteration) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    gpu: str | int = int(args.gpu) if args.gpu.isascii() and args.gpu.isdigit() else args.gpu
+    backend = SimulatedBackend(settings.simulate, settings.node_name, settings.state_dir)
+    _apply_simulation(backend, args, gpu)
     return 0
 
 
@@ -197,8 +242,6 @@ def _apply_simulation(backend: SimulatedBackend, args: argparse.Namespace, gpu: 
     elif args.action == "recover":
         backend.recover(gpu)
     elif args.action == "busy":
-        if isinstance(gpu, int):
-            gpu = next(g.uuid for g in backend.inventory().gpus if g.index == gpu)
         backend.set_busy(gpu, not args.free)
     elif args.action == "create-mig":
         created = backend.admin_create_mig(gpu, args.profile, args.start)

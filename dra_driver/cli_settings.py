@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import sys
+import os
+from collections.abc import Mapping, Sequence
 from enum import Enum
-from typing import Any, NoReturn
+from typing import Any
 
 from pydantic import ValidationError
 
-from dra_driver.settings import ENV_PREFIX, Settings
+from dra_driver.errors import EXIT_USAGE, StartupError
+from dra_driver.settings import ENV_PREFIX, LogFormat, Settings
 
 
 def flag_name(field: str) -> str:
@@ -43,20 +45,35 @@ def add_settings_flags(parser: argparse.ArgumentParser, fields: list[str] | None
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    """Build settings from parsed flags (over env vars, over defaults); exit 2 naming a bad one."""
+    """Build settings from parsed flags (over env vars, over defaults).
+
+    Raises :class:`StartupError` (exit 2) naming every bad setting by flag and env var, in one line.
+    """
     given = {name: value for name, value in vars(args).items() if name in Settings.model_fields}
     try:
         return Settings(**given)
     except ValidationError as err:
-        _exit_invalid(err)
+        raise StartupError("; ".join(map(_describe, err.errors())), exit_code=EXIT_USAGE) from None
 
 
-def _exit_invalid(err: ValidationError) -> NoReturn:
-    for problem in err.errors():
-        field = str(problem["loc"][0]) if problem["loc"] else "?"
-        value = problem.get("input")
-        print(
-            f"error: invalid setting {flag_name(field)} / {env_name(field)} = {value!r}: {problem['msg']}",
-            file=sys.stderr,
-        )
-    raise SystemExit(2)
+def _describe(problem: Any) -> str:
+    field = str(problem["loc"][0]) if problem["loc"] else "?"
+    message = str(problem["msg"]).removeprefix("Value error, ")  # pydantic's prefix for a ValueError
+    return f"invalid setting {flag_name(field)} / {env_name(field)} = {problem.get('input')!r}: {message}"
+
+
+def requested_log_format(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> LogFormat:
+    """The log format asked for, read leniently: errors must be reported before settings are valid.
+
+    ``--log-format X`` or ``--log-format=X`` wins over ``DRA_LOG_FORMAT``; anything unknown is auto.
+    """
+    flag, value = flag_name("log_format"), environ.get(env_name("log_format"), "")
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.partition("=")[2]
+    try:
+        return LogFormat(value)
+    except ValueError:
+        return LogFormat.AUTO

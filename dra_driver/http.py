@@ -8,25 +8,28 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dra_driver.metrics import Metrics
+from dra_driver.settings import http_host_port
 
 ReadinessCheck = Callable[[], str | None]
 """Returns ``None`` when ready, otherwise why not (shown to whoever probes)."""
 
 
 class StatusServer:
-    """Liveness answers while the event loop runs; readiness asks the daemon's checks."""
+    """Liveness answers while the event loop runs; readiness asks the daemon's checks.
+
+    ``readiness`` may be replaced while serving: the server starts before the daemon's parts exist.
+    """
 
     def __init__(self, address: str, metrics: Metrics, readiness: ReadinessCheck) -> None:
-        host, _, port = address.rpartition(":")
-        if not port.isdigit():
-            raise ValueError(f"http address {address!r} must be host:port, e.g. 0.0.0.0:8080")
-        self._host, self._port = host or "0.0.0.0", int(port)
+        """ValueError unless ``address`` is host:port (see :func:`~dra_driver.settings.http_host_port`)."""
+        self._host, self._port = http_host_port(address)
         self._metrics = metrics
-        self._readiness = readiness
+        self.readiness = readiness
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 
     async def start(self) -> None:
+        """Listen; OSError when the host refuses the address (not its own, port taken, unknown name)."""
         app = web.Application()
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
@@ -47,7 +50,7 @@ class StatusServer:
         return web.Response(text="ok\n")
 
     async def _readyz(self, _: web.Request) -> web.Response:
-        reason = self._readiness()
+        reason = self.readiness()
         if reason is None:
             return web.Response(text="ok\n")
         return web.Response(status=503, text=f"not ready: {reason}\n")

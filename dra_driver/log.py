@@ -10,17 +10,52 @@ import structlog
 from dra_driver.settings import LogFormat
 
 
+def wants_json(fmt: LogFormat) -> bool:
+    """JSON lines unless asked for text, or left to ``auto`` with a terminal to read them."""
+    return fmt is LogFormat.JSON or (fmt is LogFormat.AUTO and not sys.stderr.isatty())
+
+
+def _timestamped() -> list[structlog.typing.Processor]:
+    return [structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso", utc=True)]
+
+
+def error_line(message: str, fmt: LogFormat, *, exit_code: int) -> str:
+    """The one line a command that cannot go on ends with: text on a terminal, a log event in a pod.
+
+    It needs no :func:`configure` (a setting may be what is wrong), and it is one line even when
+    the message quotes a multi-line error of a library, such as a YAML parser's.
+    """
+    text = " ".join(message.split())
+    if not wants_json(fmt):
+        return f"error: {text}"
+    return _json_line({"event": "exiting", "error": text, "exit_code": exit_code})
+
+
+def crash_line(exception: str) -> str:
+    """A bug's traceback as one JSON log event, as structlog renders ``log.exception()``."""
+    return _json_line({"event": "crashed", "exception": exception})
+
+
+def _json_line(event: structlog.typing.EventDict) -> str:
+    """``event`` with level and timestamp, rendered exactly like the daemon's JSON log lines."""
+    for processor in _timestamped():
+        event = processor(None, "error", event)  # type: ignore[assignment]
+    line = structlog.processors.JSONRenderer()(None, "error", event)
+    assert isinstance(line, str)
+    return line
+
+
 def configure(fmt: LogFormat, level: str) -> None:
     """Route structlog (and the stdlib loggers of grpc/aiohttp) through one renderer."""
-    as_json = fmt is LogFormat.JSON or (fmt is LogFormat.AUTO and not sys.stderr.isatty())
     renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer(colors=False)
+        structlog.processors.JSONRenderer()
+        if wants_json(fmt)
+        else structlog.dev.ConsoleRenderer(colors=False)
     )
     shared: list[structlog.typing.Processor] = [
         # Claim namespace/name/uid bound with structlog.contextvars reach every line of a prepare.
         structlog.contextvars.merge_contextvars,
-        structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        *_timestamped(),
     ]
     structlog.configure(
         processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],

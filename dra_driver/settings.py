@@ -12,15 +12,24 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from dra_driver.devices.driver_root import parse_capabilities
 from dra_driver.devices.health import APPLICATION_XIDS, GPU_LOST_XIDS
+from dra_driver.devices.sim_nodes import NODE_PROFILES
 from dra_driver.resources.taints import TaintEffect
 
 ENV_PREFIX = "DRA_"
 DEFAULT_DRIVER_NAME = "gpu.dra-driver.dev"
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_NODE_NAME_MAX = 253  # a Node's name is a DNS subdomain (RFC 1123)
+# A pod UID (a UUID) becomes part of socket file names: no '/', no leading '.', nothing odd.
+_POD_UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_GPU_MINOR = re.compile(r"^[0-9]{1,3}$")
+_GPU_UUID = re.compile(r"^GPU-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$")  # as NVML prints them
+_PORT = re.compile(r"^[0-9]{1,5}$")
+_MAX_PORT = 65535
 
 
 class LogFormat(StrEnum):
@@ -111,6 +120,22 @@ class Settings(BaseSettings):
             "at /driver-root); unset: at the driver root's own path, as when running on the host."
         ),
     ] = None
+    nvidia_cdi_hook_path: Annotated[
+        str,
+        Field(
+            description="Host path of nvidia-cdi-hook, which CDI specs run to create the libraries' "
+            "symlinks and update the container's linker cache; unset: the hook in the driver root's "
+            "usr/bin (or another binary folder) when it is there, else no hooks."
+        ),
+    ] = ""
+    driver_capabilities: Annotated[
+        str,
+        Field(
+            description="NVIDIA_DRIVER_CAPABILITIES classes whose driver libraries containers get: a "
+            "comma-separated list of compute, utility, graphics, video, or all (compute and utility "
+            "are always included)."
+        ),
+    ] = "compute,utility"
     boot_id_file: Annotated[
         Path, Field(description="File holding the boot id; prepared state from another boot is cleared.")
     ] = Path("/proc/sys/kernel/random/boot_id")
@@ -129,7 +154,11 @@ class Settings(BaseSettings):
     ] = "all"
     inventory_refresh_seconds: Annotated[
         float,
-        Field(gt=0, description="How often the GPUs are re-read to notice changes (MIG, hot-plug)."),
+        Field(
+            gt=0,
+            allow_inf_nan=False,
+            description="How often the GPUs are re-read to notice changes (MIG, hot-plug).",
+        ),
     ] = 10.0
     ignored_xids: Annotated[
         str,
@@ -171,6 +200,7 @@ class Settings(BaseSettings):
         Field(
             gt=0,
             le=10,
+            allow_inf_nan=False,
             description="How often GPU health is checked: lost GPUs through NVML, injected faults in the "
             "simulator. Xid events from NVML are seen at once.",
         ),
@@ -186,6 +216,81 @@ class Settings(BaseSettings):
             )
         return value
 
+    @field_validator("node_name")
+    @classmethod
+    def _node_name_is_dns_subdomain(cls, value: str) -> str:
+        if value and (len(value) > _NODE_NAME_MAX or not _DNS_SUBDOMAIN.match(value)):
+            raise ValueError(
+                f"{value!r} is not a Kubernetes node name: a DNS subdomain of at most {_NODE_NAME_MAX} "
+                "characters (lower-case letters, digits, '-' and '.'), as `kubectl get nodes` shows it"
+            )
+        return value
+
+    @field_validator("pod_uid")
+    @classmethod
+    def _pod_uid_is_a_file_name_part(cls, value: str) -> str:
+        if value and not _POD_UID.match(value):
+            raise ValueError(
+                f"{value!r} is not a pod UID (the downward API's metadata.uid, e.g. "
+                "3f2b6c1e-8d4a-4e0b-9c1d-2a5e7f8b9c0d); it becomes part of the socket file names"
+            )
+        return value
+
+    @field_validator("simulate")
+    @classmethod
+    def _known_profile(cls, value: str) -> str:
+        if value and value not in NODE_PROFILES:
+            known = ", ".join(sorted(NODE_PROFILES))
+            raise ValueError(
+                f"unknown simulated node profile {value!r}; choose one of: {known} "
+                "(`dra-driver inventory --list-profiles`), or leave it empty for the real GPUs"
+            )
+        return value
+
+    @field_validator("kubeconfig", "data_dir", "driver_root_mount", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        # A Helm template or a shell renders an unset value as "": that means the default, not ".".
+        return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("plugins_dir", "registry_dir", "cdi_dir", "driver_root", "boot_id_file", mode="before")
+    @classmethod
+    def _path_given(cls, value: object) -> object:
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("must be a path, not empty; leave the setting out for its default")
+        return value
+
+    @field_validator("driver_root", "driver_root_mount")
+    @classmethod
+    def _absolute(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        if value is not None and not value.is_absolute():
+            seen_from = "the host" if info.field_name == "driver_root" else "this plugin"
+            raise ValueError(
+                f"{str(value)!r} is not an absolute path; give the NVIDIA driver's root as {seen_from} "
+                "sees it, e.g. / or /run/nvidia/driver"
+            )
+        return value
+
+    @field_validator("http_address")
+    @classmethod
+    def _host_and_port(cls, value: str) -> str:
+        value = value.strip()
+        if value:
+            http_host_port(value)
+        return value
+
+    @field_validator("nvidia_cdi_hook_path")
+    @classmethod
+    def _absolute_hook(cls, value: str) -> str:
+        if value and not value.startswith("/"):
+            raise ValueError(f"{value!r} is not an absolute path (the hook's path on the host)")
+        return value
+
+    @field_validator("driver_capabilities")
+    @classmethod
+    def _known_capabilities(cls, value: str) -> str:
+        return ",".join(parse_capabilities(value))
+
     @field_validator("log_level")
     @classmethod
     def _known_level(cls, value: str) -> str:
@@ -197,10 +302,10 @@ class Settings(BaseSettings):
     @field_validator("mig_partitions")
     @classmethod
     def _partition_choice(cls, value: str) -> str:
-        value = value.strip()
-        if not value:
-            raise ValueError("must be all, none, or a comma-separated list of GPU UUIDs or minor numbers")
-        return value
+        keyword = value.strip().lower()
+        if keyword in {"all", "none"}:
+            return keyword
+        return ",".join(partition_gpus(value))
 
     @field_validator("ignored_xids", "gpu_lost_xids")
     @classmethod
@@ -210,6 +315,34 @@ class Settings(BaseSettings):
     @property
     def state_dir(self) -> Path:
         return self.data_dir or self.plugins_dir / self.driver_name
+
+
+def http_host_port(address: str) -> tuple[str, int]:
+    """``"0.0.0.0:8080"`` -> ``("0.0.0.0", 8080)``; ``"[::]:8080"`` for IPv6; ValueError says the form."""
+    host, colon, port = address.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    # An IPv6 address needs brackets, or its last group could be taken for the port.
+    ambiguous = ":" in host and not bracketed
+    if not colon or ambiguous or not _PORT.match(port) or int(port) > _MAX_PORT:
+        raise ValueError(
+            f"{address!r} is not host:port with a port of 0-{_MAX_PORT}, e.g. 0.0.0.0:8080, :8080 or "
+            "[::]:8080 (an empty value disables the endpoint)"
+        )
+    return (host[1:-1] if bracketed else host) or "0.0.0.0", int(port)
+
+
+def partition_gpus(value: str) -> tuple[str, ...]:
+    """The GPUs a ``mig_partitions`` list names, by minor number or UUID; ValueError names a bad one."""
+    gpus = tuple(dict.fromkeys(part.strip() for part in value.split(",") if part.strip()))
+    if not gpus:
+        raise ValueError("must be all, none, or a comma-separated list of GPU UUIDs or minor numbers")
+    for gpu in gpus:
+        if not (_GPU_MINOR.match(gpu) or _GPU_UUID.match(gpu)):
+            raise ValueError(
+                f"{gpu!r} is neither all, none, a GPU minor number (0, 1, ...) nor a GPU UUID "
+                "(GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, as `nvidia-smi -L` lists them)"
+            )
+    return gpus
 
 
 def xid_numbers(value: str) -> tuple[int, ...]:

@@ -19,13 +19,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dra_driver.cdi.store import SpecStore
 from dra_driver.devices.driver_root import REQUIRED_LIBRARIES
+from dra_driver.devices.nvml import NvmlBackend
 from dra_driver.devices.simulated import DRIVER_VERSION, SimulatedBackend
 from dra_driver.devices.types import Inventory
 from dra_driver.settings import DEFAULT_DRIVER_NAME
 from e2e.cluster.controlplane import free_ports
 from e2e.daemon import Daemon
+from tests.mock_nvml import MockNvml, install_driver_root, install_procfs, mock_environment
 
 DRIVER_NAME = DEFAULT_DRIVER_NAME
+MOCK_NVML_DRIVER_VERSION = "550.54.15"  # what NVIDIA's go-nvml DGX mocks report
 
 
 @dataclass(frozen=True)
@@ -50,8 +53,22 @@ class DriverPaths:
             boot_id_file=base / "boot_id",
         )
 
-    def create(self) -> None:
-        """The directories, one boot id for every run, and a driver installation to mount from."""
+    @property
+    def mock_nvml_state(self) -> Path:
+        """The mock NVML's hardware state, for a node on the NVML backend (shared with the test)."""
+        return self.data.parent / "mock-nvml"
+
+    @property
+    def procfs(self) -> Path:
+        """The kernel driver's /proc for a mock NVML node: the mock writes its capability files here."""
+        return self.data.parent / "proc"
+
+    def create(self, *, nvml: bool = False) -> None:
+        """The directories, one boot id for every run, and a driver installation to mount from.
+
+        ``nvml``: the driver root holds the mock libnvidia-ml.so.1 where a host keeps NVML, and
+        /dev/nvidiactl, so the daemon runs its NVML backend on it.
+        """
         for directory in (self.plugins, self.registry, self.cdi, self.data):
             directory.mkdir(parents=True, exist_ok=True)
         if not self.boot_id_file.exists():
@@ -61,7 +78,10 @@ class DriverPaths:
         libraries = self.driver_root / "usr" / "lib64"
         libraries.mkdir(parents=True, exist_ok=True)
         for library in REQUIRED_LIBRARIES:
-            (libraries / f"{library}.so.{DRIVER_VERSION}").touch()
+            (libraries / f"{library}.so.{MOCK_NVML_DRIVER_VERSION if nvml else DRIVER_VERSION}").touch()
+        if nvml:
+            install_driver_root(self.driver_root)
+            install_procfs(self.procfs)
 
 
 class DriverProcess:
@@ -80,10 +100,14 @@ class DriverProcess:
         log: Path,
         profile: str = "dgx-h100",
         extra_args: Sequence[str] = (),
+        mock_nvml: str | None = None,
     ) -> None:
+        """``mock_nvml``: a machine of the mock libnvidia-ml.so.1 (e.g. ``dgxh100``) to run the NVML
+        backend on, instead of the simulator's ``profile``."""
         self.node_name = node_name
         self.paths = paths
         self.profile = profile
+        self.mock_nvml = mock_nvml
         self._kubeconfig = kubeconfig
         self._extra_args = tuple(extra_args)
         self._daemon = Daemon(f"dra-driver[{node_name}]", log)
@@ -99,7 +123,7 @@ class DriverProcess:
         return self._daemon.running
 
     def start(self, timeout_seconds: float = 60.0) -> None:
-        self.paths.create()
+        self.paths.create(nvml=self.mock_nvml is not None)
         (self._port,) = free_ports(1)
         self._daemon.start(self._argv(self._port), lambda _: self._ready(), timeout_seconds=timeout_seconds)
 
@@ -142,7 +166,17 @@ class DriverProcess:
         return self.specs.claim_uids()
 
     def simulated_gpus(self) -> Inventory:
-        """The node's GPUs as the simulator holds them now: what NVML would report on a real node."""
+        """The node's GPUs as the simulator (or the mock NVML) holds them now: what NVML would report
+        on a real node."""
+        backend: SimulatedBackend | NvmlBackend
+        if self.mock_nvml is not None:
+            MockNvml().configure(self.mock_nvml, self.paths.mock_nvml_state, proc_root=self.paths.procfs)
+            root = self.paths.driver_root
+            backend = NvmlBackend(driver_root=root, dev_root=root, procfs_root=self.paths.procfs)
+            try:
+                return backend.inventory()
+            finally:
+                backend.close()
         backend = SimulatedBackend(self.profile, self.node_name, self.paths.data)
         try:
             return backend.inventory()
@@ -160,13 +194,24 @@ class DriverProcess:
 
     def _argv(self, port: int) -> list[str]:
         paths = self.paths
+        if self.mock_nvml is None:
+            launcher = [sys.executable]
+            backend = [f"--simulate={self.profile}"]
+        else:  # the NVML backend, on the mock's machine whose state the test shares
+            environment = mock_environment(paths.mock_nvml_state, self.mock_nvml, paths.procfs)
+            launcher = [
+                "env",
+                *(f"{k}={environment[k]}" for k in sorted(environment) if k.startswith("MOCK_NVML_")),
+            ]
+            launcher.append(sys.executable)
+            backend = []
         return [
-            sys.executable,
+            *launcher,
             "-m",
             "dra_driver",
             "kubelet-plugin",
             f"--node-name={self.node_name}",
-            f"--simulate={self.profile}",
+            *backend,
             f"--kubeconfig={self._kubeconfig}",
             f"--plugins-dir={paths.plugins}",
             f"--registry-dir={paths.registry}",

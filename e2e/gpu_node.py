@@ -46,6 +46,7 @@ class GpuNode:
         *,
         profile: str = "dgx-h100",
         driver_args: Sequence[str] = (),
+        mock_nvml: str | None = None,
     ) -> None:
         self.name = name
         self.rest = cluster.rest()
@@ -66,6 +67,7 @@ class GpuNode:
             log=base_dir / "dra-driver.log",
             profile=profile,
             extra_args=driver_args,
+            mock_nvml=mock_nvml,
         )
 
     @property

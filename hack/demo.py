@@ -11,6 +11,7 @@ is stopped and removed at the end, also on Ctrl-C.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -39,6 +40,10 @@ NAMESPACE = "demo"
 # The order tells a story: one GPU, two in one pod, one picked by what it is, one shared by two pods.
 SCENARIOS = ("one-gpu.yaml", "two-gpus.yaml", "h100-by-selector.yaml", "shared-claim.yaml")
 DRIVER = "gpu.dra-driver.dev"
+# DEMO_NVML=mock (`make demo DEMO_NVML=mock`): the driver's NVML backend on the mock libnvidia-ml.so.1
+# (hack/mock-nvml, a DGX H100 from NVIDIA's go-nvml mocks) instead of the simulated backend.
+MOCK_NVML = "dgxh100" if os.environ.get("DEMO_NVML") == "mock" else None
+BACKEND = "NVML on the mock libnvidia-ml.so.1, a DGX H100" if MOCK_NVML else "simulated DGX H100"
 
 
 def main() -> int:
@@ -51,7 +56,7 @@ def main() -> int:
         with ControlPlane(binaries, base / "cluster") as control_plane:
             info = control_plane.info
             step(f"Kubernetes {info.kube_version} control plane up at {info.server}")
-            node = GpuNode(info, harness, base / "node", NODE, profile="dgx-h100")
+            node = GpuNode(info, harness, base / "node", NODE, profile="dgx-h100", mock_nvml=MOCK_NVML)
             try:
                 node.start()
                 run_scenarios(node)
@@ -63,7 +68,7 @@ def main() -> int:
 
 def run_scenarios(node: GpuNode) -> None:
     rest = node.rest
-    step(f"node {NODE}: kubelet harness + dra-driver (simulated DGX H100) registered")
+    step(f"node {NODE}: kubelet harness + dra-driver ({BACKEND}) registered")
     print_devices(published_devices(rest, NODE))
 
     rest.create(

@@ -299,6 +299,19 @@ def _hooks(hook_path: str, libraries: Sequence[PurePosixPath]) -> tuple[Hook, ..
         for library in libraries
         if _LIBCUDA.fullmatch(library.name) and "libcuda.so" not in names
     ]
+    # The two further links NVIDIA's toolkit creates: GLVND's indirect GLX, and the optical-flow
+    # library's development name, which its package does not ship.
+    links += [
+        f"{library.name}::{library.parent / 'libGLX_indirect.so.0'}"
+        for library in libraries
+        if library.name.startswith("libGLX_nvidia.so.")
+    ]
+    links += [
+        f"libnvidia-opticalflow.so.1::{library.parent / 'libnvidia-opticalflow.so'}"
+        for library in libraries
+        if library.name.startswith("libnvidia-opticalflow.so.")
+        and library.name != "libnvidia-opticalflow.so.1"
+    ]
     folders = list(dict.fromkeys(str(library.parent) for library in libraries))
     hooks: list[Hook] = []
     if links:

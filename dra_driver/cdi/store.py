@@ -14,18 +14,20 @@ All methods block on the file system; callers on the event loop use
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import tempfile
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dra_driver import crashpoint
 from dra_driver.cdi.spec import cdi_kind, check_claim_uid
 from dra_driver.cdi.validate import validate_spec
 
 _SUFFIX = ".json"
+_TEMP_SUFFIX = ".tmp"  # ignored by runtimes, which read only .json and .yaml
 _NAME_MAX = 255  # bytes in one file name on Linux file systems
 
 
@@ -59,7 +61,7 @@ class SpecStore:
         data = (json.dumps(spec, indent=2) + "\n").encode()
 
         self._dir.mkdir(parents=True, exist_ok=True)
-        fd, temp_name = tempfile.mkstemp(dir=self._dir, prefix=f".{path.stem}.", suffix=".tmp")
+        fd, temp_name = _locked_temp_file(self._dir, prefix=f".{path.stem}.")
         try:
             with os.fdopen(fd, "wb") as temp:
                 temp.write(data)
@@ -67,22 +69,64 @@ class SpecStore:
                 # Readable like any other spec: tools such as `cdi list` need not run as root.
                 os.fchmod(temp.fileno(), 0o644)
                 os.fsync(temp.fileno())
-            os.replace(temp_name, path)
+                crashpoint.reached("cdi.before_rename")
+                # Renamed while still open and locked: see remove_leftover_temps.
+                os.replace(temp_name, path)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temp_name)
             raise
         self._sync_directory()
+        crashpoint.reached("cdi.after_write")
         return path
 
     def remove(self, claim_uid: str) -> None:
         """Delete the claim's spec; a spec that is already gone is fine."""
         path = self.path_for(claim_uid)
+        crashpoint.reached("cdi.before_remove")
         try:
             path.unlink()
         except FileNotFoundError:
             return
         self._sync_directory()
+        crashpoint.reached("cdi.after_remove")
+
+    def remove_leftover_temps(self) -> list[str]:
+        """Delete the temporary files of spec writes that died half-way; returns their names.
+
+        A crash between creating a temporary file and renaming it into place leaves it behind,
+        and nothing else would ever remove it. Each writer holds an exclusive ``flock`` on its
+        temporary file until the rename, and the kernel drops the lock when the writer dies: a
+        file that can be locked is abandoned. So this is safe while another plugin instance
+        (rolling update) is writing specs in the same directory.
+        """
+        try:
+            entries = list(os.scandir(self._dir))
+        except FileNotFoundError:
+            return []
+        removed: list[str] = []
+        for entry in entries:
+            if not (entry.name.startswith(f".{self._prefix}") and entry.name.endswith(_TEMP_SUFFIX)):
+                continue
+            try:
+                fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue  # renamed into place meanwhile, or not a file of ours (a symlink)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue  # a live writer's
+            try:
+                os.unlink(entry.path)
+                removed.append(entry.name)
+            except FileNotFoundError:
+                pass  # its writer renamed it just before it let go of the lock
+            finally:
+                os.close(fd)
+        if removed:
+            self._sync_directory()
+        return removed
 
     def claim_uids(self) -> set[str]:
         """The claims that have a spec file of ours, e.g. to clean up after a lost checkpoint."""
@@ -98,27 +142,6 @@ class SpecStore:
             if _is_claim_uid(uid) and entry.is_file(follow_symlinks=False):
                 uids.add(uid)
         return uids
-
-    def remove_leftover_temps(self, older_than_s: float = 60.0) -> int:
-        """Remove temporary files of writes a crash interrupted; returns how many.
-
-        Only files older than ``older_than_s`` go: a younger one may belong to a write in
-        progress by the other plugin instance of a rolling update.
-        """
-        try:
-            entries = list(os.scandir(self._dir))
-        except FileNotFoundError:
-            return 0
-        deadline = time.time() - older_than_s
-        removed = 0
-        for entry in entries:
-            if not (entry.name.startswith("." + self._prefix) and entry.name.endswith(".tmp")):
-                continue
-            with contextlib.suppress(FileNotFoundError):  # its writer renamed it meanwhile
-                if entry.stat(follow_symlinks=False).st_mtime <= deadline:
-                    os.unlink(entry.path)
-                    removed += 1
-        return removed
 
     def read(self, claim_uid: str) -> dict[str, Any] | None:
         """The claim's spec as written, or None when it has none."""
@@ -144,6 +167,21 @@ class SpecStore:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _locked_temp_file(directory: Path, prefix: str) -> tuple[int, str]:
+    """A new temporary file in ``directory``, exclusively locked; (fd, path).
+
+    Between creating the file and locking it, another instance's sweep may take it for an
+    abandoned one and delete it; then the name no longer leads to our file, and we start over.
+    """
+    while True:
+        fd, name = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=_TEMP_SUFFIX)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(name, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                return fd, name
+        os.close(fd)
 
 
 def _is_claim_uid(text: str) -> bool:

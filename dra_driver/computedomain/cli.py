@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from kubernetes.aio import client as kube_client
 from kubernetes.aio import config as kube_config
 
 from dra_driver.computedomain.api import Names
+from dra_driver.errors import EXIT_USAGE, StartupError
 from dra_driver.log import configure
 from dra_driver.settings import DEFAULT_DRIVER_NAME, ENV_PREFIX, LogFormat
 
@@ -63,10 +63,6 @@ def _add_flags(parser: argparse.ArgumentParser, flags: list[tuple[str, Any, str]
         )
 
 
-class ConfigurationError(Exception):
-    """The API server's address or credentials cannot be loaded."""
-
-
 async def _api(kubeconfig: str) -> kube_client.ApiClient:
     configuration = kube_client.Configuration()
     try:
@@ -78,32 +74,29 @@ async def _api(kubeconfig: str) -> kube_client.ApiClient:
             kube_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
     except Exception as error:  # the loaders raise many types for one meaning
         where = f"kubeconfig {kubeconfig}" if kubeconfig else "the in-cluster service account"
-        raise ConfigurationError(f"cannot load {where}: {error or type(error).__name__}") from None
+        raise StartupError(f"cannot load {where}: {error or type(error).__name__}") from None
     return kube_client.ApiClient(configuration)
 
 
-def _setup(args: argparse.Namespace) -> bool:
+def _setup(args: argparse.Namespace) -> None:
     try:
         configure(LogFormat(args.log_format), args.log_level)
     except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return False
-    return True
+        raise StartupError(f"--log-format / DRA_LOG_FORMAT: {error}", exit_code=EXIT_USAGE) from None
 
 
 def _controller(args: argparse.Namespace) -> int:
     from dra_driver.computedomain.controller import ComputeDomainController
 
-    if not _setup(args):
-        return 2
+    _setup(args)
     if not args.namespace:
-        print(
-            "error: --namespace / DRA_NAMESPACE is required (the controller pod's namespace)", file=sys.stderr
+        raise StartupError(
+            "--namespace / DRA_NAMESPACE is required (the controller pod's namespace)", exit_code=EXIT_USAGE
         )
-        return 2
     if not args.daemon_image:
-        print("error: --daemon-image / DRA_DAEMON_IMAGE is required (the driver's image)", file=sys.stderr)
-        return 2
+        raise StartupError(
+            "--daemon-image / DRA_DAEMON_IMAGE is required (the driver's image)", exit_code=EXIT_USAGE
+        )
 
     async def run() -> None:
         api = await _api(args.kubeconfig)
@@ -126,13 +119,11 @@ def _controller(args: argparse.Namespace) -> int:
 def _daemon(args: argparse.Namespace) -> int:
     from dra_driver.computedomain.daemon import DaemonIdentity, run_daemon
 
-    if not _setup(args):
-        return 2
+    _setup(args)
     try:
         DaemonIdentity.from_environment()  # before anything else: say at once what is missing
     except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        raise StartupError(str(error), exit_code=EXIT_USAGE) from None
 
     async def run() -> None:
         api = await _api(args.kubeconfig)
@@ -151,7 +142,6 @@ def _run(main: Any) -> int:
         asyncio.run(main)
     except KeyboardInterrupt:
         return 0
-    except (ValueError, OSError, ConfigurationError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    except (ValueError, OSError) as error:  # e.g. the peer port is taken, imexd.cfg unreadable
+        raise StartupError(str(error)) from None
     return 0

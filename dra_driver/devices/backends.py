@@ -28,6 +28,14 @@ def open_backend(
     """
     if simulate:
         return SimulatedBackend(simulate, node_name, data_dir, fabric=simulated_fabric)
+    if driver_root is not None and dev_root == Path("/") and (driver_root / "dev" / "nvidiactl").exists():
+        # A driver container that creates the device nodes in its own root (as NVIDIA's toolkit
+        # decides its "dev root": the driver root when it holds /dev/nvidiactl, else /).
+        dev_root = driver_root
     return NvmlBackend(
-        sysfs_root=sysfs_root, procfs_root=procfs_root, dev_root=dev_root, driver_root=driver_root
+        sysfs_root=sysfs_root,
+        procfs_root=procfs_root,
+        dev_root=dev_root,
+        driver_root=driver_root,
+        state_dir=data_dir,
     )

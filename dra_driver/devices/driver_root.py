@@ -17,20 +17,55 @@ from pathlib import Path, PurePosixPath
 
 from dra_driver.devices.backend import DeviceError
 
-# The user-space libraries of the compute and utility driver capabilities, all
-# versioned with the driver (lib<name>.so.<driver version>). Not every driver
-# branch ships all of them; only libcuda and libnvidia-ml are required.
-COMPUTE_LIBRARIES = (
-    "libcuda",  # the CUDA driver API
-    "libnvidia-ml",  # NVML, for nvidia-smi and monitoring inside the container
-    "libnvidia-ptxjitcompiler",  # JIT-compiles PTX for the GPU at hand
-    "libnvidia-nvvm",  # NVVM compiler, used by JIT linking (LTO) in CUDA 12+
-    "libcudadebugger",  # cuda-gdb's back end
-    "libnvidia-gpucomp",  # the shader/PTX compiler shared by newer branches
-    "libnvidia-allocator",  # buffer allocation used by EGL/GBM and CUDA interop
-    "libnvidia-cfg",  # GPU configuration queries used by nvidia-smi
-    "libnvidia-opencl",  # the OpenCL implementation
-)
+# The user-space libraries of each NVIDIA_DRIVER_CAPABILITIES class, as NVIDIA's container
+# toolkit mounts them (libnvidia-container's nvc_info.c lists), all versioned with the driver
+# (lib<name>.so.<driver version>). Not every driver branch ships all of them; only libcuda and
+# libnvidia-ml are required.
+LIBRARIES_BY_CAPABILITY: dict[str, tuple[str, ...]] = {
+    "utility": (
+        "libnvidia-ml",  # NVML, for nvidia-smi and monitoring inside the container
+        "libnvidia-cfg",  # GPU configuration queries used by nvidia-smi
+        "libnvidia-nscq",  # NVSwitch configuration and query (HGX systems)
+    ),
+    "compute": (
+        "libcuda",  # the CUDA driver API
+        "libcudadebugger",  # cuda-gdb's back end
+        "libnvidia-opencl",  # the OpenCL implementation
+        "libnvidia-gpucomp",  # the shader/PTX compiler shared by newer branches
+        "libnvidia-ptxjitcompiler",  # JIT-compiles PTX for the GPU at hand
+        "libnvidia-fatbinaryloader",  # fatbin loader of older branches
+        "libnvidia-allocator",  # buffer allocation used by EGL/GBM and CUDA interop
+        "libnvidia-compiler",  # NVVM-PTX compiler for OpenCL on older branches
+        "libnvidia-pkcs11",  # encryption for confidential computing
+        "libnvidia-pkcs11-openssl3",
+        "libnvidia-nvvm",  # NVVM compiler, used by JIT linking (LTO) in CUDA 12+
+    ),
+    "video": (
+        "libvdpau_nvidia",  # VDPAU
+        "libnvidia-encode",  # NVENC
+        "libnvidia-opticalflow",  # optical flow
+        "libnvcuvid",  # NVDEC
+    ),
+    "graphics": (
+        "libnvidia-eglcore",
+        "libnvidia-glcore",
+        "libnvidia-tls",
+        "libnvidia-glsi",
+        "libnvidia-fbc",  # framebuffer capture
+        "libnvidia-ifr",
+        "libnvidia-rtcore",  # OptiX
+        "libnvoptix",  # OptiX
+        "libGLX_nvidia",  # GLVND vendor libraries
+        "libEGL_nvidia",
+        "libGLESv2_nvidia",
+        "libGLESv1_CM_nvidia",
+        "libnvidia-glvkspirv",  # Vulkan SPIR-V compiler
+    ),
+}
+CAPABILITIES = ("compute", "utility", "graphics", "video")
+DEFAULT_CAPABILITIES = ("compute", "utility")
+# The compute and utility libraries, as mounted by default.
+COMPUTE_LIBRARIES = LIBRARIES_BY_CAPABILITY["utility"] + LIBRARIES_BY_CAPABILITY["compute"]
 REQUIRED_LIBRARIES = ("libcuda", "libnvidia-ml")
 
 BINARIES = (
@@ -103,19 +138,52 @@ def _soname_links(driver_root: Path, lookup_root: Path, library: HostFile) -> li
     return links
 
 
-def find_driver_files(driver_root: Path, driver_version: str, *, seen_at: Path | None = None) -> DriverFiles:
+def parse_capabilities(text: str) -> tuple[str, ...]:
+    """``compute,utility`` -> the classes, in a fixed order; ``all`` is every class. ValueError if unknown."""
+    wanted = {part.strip() for part in text.split(",") if part.strip()}
+    if "all" in wanted:
+        return CAPABILITIES
+    unknown = sorted(wanted - set(CAPABILITIES))
+    if unknown or not wanted:
+        raise ValueError(
+            f"unknown driver capabilities {', '.join(unknown) or '(none given)'}: use a comma-separated "
+            f"list of {', '.join(CAPABILITIES)}, or all"
+        )
+    return tuple(c for c in CAPABILITIES if c in wanted)
+
+
+CDI_HOOK = "nvidia-cdi-hook"
+
+
+def find_cdi_hook(driver_root: Path, *, seen_at: Path | None = None) -> str | None:
+    """The host path of ``nvidia-cdi-hook`` in the driver root's binary folders, if it is there."""
+    found = find_in(seen_at or driver_root, BINARY_DIRS, CDI_HOOK)
+    return str(PurePosixPath(driver_root / found)) if found else None
+
+
+def find_driver_files(
+    driver_root: Path,
+    driver_version: str,
+    *,
+    seen_at: Path | None = None,
+    capabilities: tuple[str, ...] = DEFAULT_CAPABILITIES,
+) -> DriverFiles:
     """The files of driver ``driver_version`` under ``driver_root``; DeviceError without libcuda/NVML.
 
-    ``seen_at`` is where this process sees the driver root (default: at ``driver_root`` itself).
+    ``seen_at`` is where this process sees the driver root (default: at ``driver_root`` itself);
+    ``capabilities`` are the NVIDIA_DRIVER_CAPABILITIES classes whose libraries are included
+    (compute and utility always: libcuda and NVML are required).
     """
     lookup_root = seen_at or driver_root
+    wanted = dict.fromkeys(("compute", "utility", *capabilities))
+    names = [name for capability in wanted for name in LIBRARIES_BY_CAPABILITY[capability]]
 
     def first(directories: tuple[str, ...], name: str) -> HostFile | None:
         found = find_in(lookup_root, directories, name)
         return _host_file(driver_root, found) if found else None
 
     libraries: list[HostFile] = []
-    for library in COMPUTE_LIBRARIES:
+    for library in names:
         found = first(LIBRARY_DIRS, f"{library}.so.{driver_version}")
         if found:
             libraries.append(found)

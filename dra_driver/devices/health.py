@@ -152,7 +152,13 @@ def open_health_source(
             backend, ignored_xids=ignored_xids, poll_seconds=poll_seconds, clock=clock
         )
     if isinstance(backend, NvmlBackend):
-        return NvmlHealthSource(ignored_xids=ignored_xids, poll_seconds=poll_seconds, clock=clock)
+        return NvmlHealthSource(
+            ignored_xids=ignored_xids,
+            poll_seconds=poll_seconds,
+            clock=clock,
+            known_gpus=backend.known_gpus(),
+            mig_mode_switches=backend.mig_mode_switches,
+        )
     raise TypeError(f"no health source for the backend {type(backend).__name__}")
 
 
@@ -229,6 +235,7 @@ class _Registered:
     event_set: Any
     handles: dict[str, Any] = field(default_factory=dict)
     unmonitored: dict[str, str] = field(default_factory=dict)  # uuid -> why
+    unidentified: dict[int, str] = field(default_factory=dict)  # NVML index -> why; retried every period
 
 
 @dataclass(frozen=True)
@@ -243,7 +250,17 @@ class NvmlHealthSource:
 
     The blocking ``nvmlEventSetWait`` runs in a worker thread with a timeout of one period, so
     an event is reported as soon as it arrives and the loop still wakes up every period to
-    check which GPUs NVML can reach. NVML must already be initialised (by the backend).
+    check which GPUs NVML can reach. When the wait itself fails (``GPU_IS_LOST`` while a GPU is
+    off the bus, or any other error), the rest of the period is waited out, so a lost GPU costs
+    one wait per period, not a busy loop. NVML must already be initialised (by the backend).
+
+    A GPU NVML cannot identify at start (no handle or uuid) is tried again every period; while
+    it cannot be watched, the GPU that the backend's inventory knows at that index is reported
+    as unmonitored (``known_gpus``: uuid by NVML index).
+
+    Switching MIG mode may reset a GPU (nvml.h), which ends its event registrations: after the
+    backend switched one (``mig_mode_switches`` counts), the GPUs are registered again in a new
+    event set.
     """
 
     def __init__(
@@ -252,18 +269,30 @@ class NvmlHealthSource:
         ignored_xids: Collection[int] = APPLICATION_XIDS,
         poll_seconds: float = 0.5,
         clock: Callable[[], float] = time.time,
+        known_gpus: Mapping[int, str] | None = None,
+        mig_mode_switches: Callable[[], int] = lambda: 0,
     ) -> None:
         self._ignored = _IgnoredXids(ignored_xids)
         self._timeout_ms = max(1, int(poll_seconds * 1000))
         self._clock = clock
+        self._known_gpus = dict(known_gpus or {})
+        self._mig_mode_switches = mig_mode_switches
 
     async def watch(self) -> AsyncIterator[NodeFaults]:
+        switches = self._mig_mode_switches()
         registered = await asyncio.to_thread(self._register)
         waiting: asyncio.Task[list[_XidEvent]] | None = None
         xids: dict[str, list[Fault]] = {}
         current: dict[str, tuple[Fault, ...]] | None = None
         try:
             while True:
+                if self._mig_mode_switches() != switches:
+                    switches = self._mig_mode_switches()
+                    stale, registered = registered, await asyncio.to_thread(self._register)
+                    await asyncio.to_thread(_free_event_set, stale.event_set)
+                    log.info(
+                        "a GPU switched MIG mode, which may reset it: its Xid events are registered again"
+                    )
                 lost = await asyncio.to_thread(self._unreachable, registered)
                 now = int(self._clock())
                 for uuid in set(xids) - lost:
@@ -281,6 +310,8 @@ class NvmlHealthSource:
                 waiting = None
                 for event in events:
                     self._record(event, registered, xids, now=int(self._clock()))
+                if registered.unidentified:
+                    await asyncio.to_thread(self._identify, registered)
         finally:
             if waiting is not None:
                 with contextlib.suppress(Exception):
@@ -328,34 +359,52 @@ class NvmlHealthSource:
 
     # --- in worker threads ---------------------------------------------------------------------------
 
-    @staticmethod
-    def _register() -> _Registered:
+    def _register(self) -> _Registered:
         try:
             registered = _Registered(event_set=pynvml.nvmlEventSetCreate())
             count = pynvml.nvmlDeviceGetCount()
         except pynvml.NVMLError as error:
             raise DeviceError(f"cannot watch GPU health through NVML: {error}") from error
         for index in range(count):
-            try:
-                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-                uuid = pynvml.nvmlDeviceGetUUID(handle)
-            except pynvml.NVMLError as error:
-                log.error("a GPU cannot be watched: NVML does not identify it", index=index, error=str(error))
-                continue
-            registered.handles[uuid] = handle
-            try:
-                supported = pynvml.nvmlDeviceGetSupportedEventTypes(handle)
-                if not supported & pynvml.nvmlEventTypeXidCriticalError:
-                    registered.unmonitored[uuid] = "NVML offers no Xid events for this GPU"
-                    continue
-                pynvml.nvmlDeviceRegisterEvents(
-                    handle, pynvml.nvmlEventTypeXidCriticalError, registered.event_set
-                )
-            except pynvml.NVMLError as error:
-                registered.unmonitored[uuid] = f"registering for Xid events failed: {error}"
+            self._register_one(registered, index)
         for uuid, why in registered.unmonitored.items():
             log.warning("GPU health is not monitored", gpu=uuid, reason=why)
         return registered
+
+    def _register_one(self, registered: _Registered, index: int) -> None:
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+        except pynvml.NVMLError as error:
+            why = f"NVML does not identify it ({error}); trying again every period"
+            if index not in registered.unidentified:
+                log.error(
+                    "a GPU cannot be watched yet", index=index, gpu=self._known_gpus.get(index), reason=why
+                )
+            registered.unidentified[index] = why
+            if index in self._known_gpus:
+                registered.unmonitored[self._known_gpus[index]] = why
+            return
+        registered.unidentified.pop(index, None)
+        registered.unmonitored.pop(uuid, None)
+        registered.handles[uuid] = handle
+        try:
+            supported = pynvml.nvmlDeviceGetSupportedEventTypes(handle)
+            if not supported & pynvml.nvmlEventTypeXidCriticalError:
+                registered.unmonitored[uuid] = "NVML offers no Xid events for this GPU"
+                return
+            pynvml.nvmlDeviceRegisterEvents(
+                handle, pynvml.nvmlEventTypeXidCriticalError, registered.event_set
+            )
+        except pynvml.NVMLError as error:
+            registered.unmonitored[uuid] = f"registering for Xid events failed: {error}"
+
+    def _identify(self, registered: _Registered) -> None:
+        """Try the GPUs NVML could not identify again; log the ones that are watched now."""
+        for index in sorted(registered.unidentified):
+            self._register_one(registered, index)
+            if index not in registered.unidentified:
+                log.info("a GPU is watched now", index=index, gpu=self._known_gpus.get(index))
 
     def _next_events(self, registered: _Registered) -> list[_XidEvent]:
         """Wait up to one period for events, then take what else is already queued."""
@@ -366,10 +415,13 @@ class NvmlHealthSource:
                 data = pynvml.nvmlEventSetWait(registered.event_set, timeout)
             except pynvml.NVMLError_Timeout:
                 break
-            except pynvml.NVMLError_GpuIsLost:
-                break  # the lost-GPU check that follows finds which one
             except pynvml.NVMLError as error:
-                log.warning("waiting for NVML events failed; retrying", error=str(error))
+                # GPU_IS_LOST (the lost-GPU check that follows finds which one) or another failure:
+                # NVML answers at once, so the period is waited out here, not spun through.
+                if not isinstance(error, pynvml.NVMLError_GpuIsLost):
+                    log.warning("waiting for NVML events failed; retrying", error=str(error))
+                if not events:
+                    time.sleep(self._timeout_ms / 1000)
                 break
             timeout = 0
             if data.eventType != pynvml.nvmlEventTypeXidCriticalError:

@@ -5,8 +5,19 @@ on the event loop use ``asyncio.to_thread``; NVML itself is thread-safe.
 
 Nothing here resets a GPU. MIG mode is switched only on GPUs that switch it
 without a reset (Hopper and newer): on, when a MIG device is created on a GPU
-whose mode is off; off again, when the last MIG device is destroyed. On Ampere
-the mode is the administrator's business and an error says so.
+whose mode is off; off again, when the last MIG device is destroyed -- but only
+where this driver switched it on (recorded in its state directory, so a restart
+remembers): MIG mode an administrator enabled stays. MIG mode survives a reboot
+and MIG instances do not, so at start-up a GPU the driver had switched on and
+that holds no instance any more is switched back off. On Ampere the mode is the
+administrator's business and an error says so.
+
+NVML's own failures are contained per GPU: a GPU that fails to answer is left
+out of the inventory with a log line, the others are published. Optional reads
+(MIG mode, core counts, profiles) treat FunctionNotFound, what an older driver
+answers for a call it lacks, like NotSupported. Every public method runs NVML
+in a worker thread and gives up after ``call_timeout`` seconds, so an NVML call
+that hangs fails one operation with a clear error instead of hanging the daemon.
 
 Profile names come from go-nvlib's formula (:func:`mig_profile_name`), never
 from the name NVML reports in its v2 profile struct: NVIDIA's DRA driver and
@@ -18,12 +29,15 @@ written against NVIDIA's driver.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
+import queue
 import stat
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pynvml
 import structlog
@@ -68,6 +82,16 @@ _CORES_PER_MULTIPROCESSOR = {
 _COMPUTE_INSTANCE_PROFILE_BY_SLICES = {1: 0x0, 2: 0x1, 3: 0x2, 4: 0x3, 7: 0x4, 8: 0x5, 6: 0x6}
 
 
+# Reads a GPU may not offer: NotSupported, or FunctionNotFound from a driver that predates the call.
+_ABSENT = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound)
+# The file in the state directory naming the GPUs whose MIG mode this driver switched on.
+MIG_MODE_FILE = "nvml-mig-mode.json"
+DEFAULT_CALL_TIMEOUT = 60.0
+_ROLLBACK_ATTEMPTS = 3
+
+T = TypeVar("T")
+
+
 @dataclass(frozen=True)
 class _MigHandle:
     uuid: str
@@ -107,44 +131,138 @@ class NvmlBackend:
         procfs_root: Path = Path("/proc"),
         dev_root: Path = Path("/"),
         driver_root: Path | None = None,
+        state_dir: Path | None = None,
+        call_timeout: float = DEFAULT_CALL_TIMEOUT,
     ) -> None:
         self._sysfs_root = sysfs_root
         self._procfs_root = procfs_root
         self._dev_root = dev_root
+        self._call_timeout = call_timeout
+        self._mig_mode_file = state_dir / MIG_MODE_FILE if state_dir is not None else None
+        self._known_gpus: dict[int, str] = {}
+        self._last_read: dict[int, Gpu] = {}  # by NVML index, from the last inventory
+        self._owned_in_memory: set[str] = set()  # without a state directory
+        self._mig_mode_switches = 0
         if driver_root is not None:
             _preload_nvml(driver_root)
         try:
-            pynvml.nvmlInit()
+            self._bounded("starting NVML", pynvml.nvmlInit)
         except pynvml.NVMLError as e:
             raise DeviceError(
                 f"NVML not available: {e}. Run the plugin on a node with the NVIDIA driver loaded and "
                 "libnvidia-ml.so.1 on its library path, or use --simulate PROFILE for simulated GPUs"
             ) from e
+        self._bounded("reconciling MIG mode", self._reconcile_mig_mode)
 
     # --- Backend -----------------------------------------------------------------------------------
 
     def inventory(self) -> Inventory:
+        return self._bounded("reading the GPU inventory", self._inventory)
+
+    def known_gpus(self) -> dict[int, str]:
+        """The uuid of each GPU by NVML index, as the last inventory read them."""
+        return dict(self._known_gpus)
+
+    def mig_mode_switches(self) -> int:
+        """How often this backend switched a GPU's MIG mode: each switch may have reset the GPU,
+        which ends its NVML event registrations (see :class:`~dra_driver.devices.health.NvmlHealthSource`)."""
+        return self._mig_mode_switches
+
+    def create_mig_device(self, parent_uuid: str, profile_id: int, placement: Placement) -> MigDevice:
+        return self._bounded(
+            f"creating a MIG device on GPU {parent_uuid}",
+            lambda: self._create_mig_device(parent_uuid, profile_id, placement),
+        )
+
+    def destroy_mig_device(self, parent_uuid: str, mig_uuid: str) -> None:
+        self._bounded(
+            f"destroying MIG device {mig_uuid} on GPU {parent_uuid}",
+            lambda: self._destroy_mig_device(parent_uuid, mig_uuid),
+        )
+
+    def close(self) -> None:
         try:
-            gpus = tuple(self._gpu(i) for i in range(pynvml.nvmlDeviceGetCount()))
+            self._bounded("shutting NVML down", pynvml.nvmlShutdown)
+        except (pynvml.NVMLError, DeviceError) as e:
+            log.warning("nvml_shutdown_failed", error=str(e))
+
+    # --- bounded calls -----------------------------------------------------------------------------
+
+    def _bounded(self, action: str, call: Callable[[], T]) -> T:
+        """``call()`` in a worker thread, waited for at most ``call_timeout`` seconds.
+
+        NVML calls can block in the kernel driver (a GPU that stops answering). The worker is a
+        daemon thread, so one that never returns neither blocks this caller nor the process exit.
+        """
+        done: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+
+        def run() -> None:
+            try:
+                done.put((True, call()))
+            except BaseException as e:  # handed to the caller's thread
+                done.put((False, e))
+
+        threading.Thread(target=run, name="nvml-call", daemon=True).start()
+        try:
+            ok, value = done.get(timeout=self._call_timeout)
+        except queue.Empty:
+            log.error("nvml_call_timed_out", action=action, timeout_seconds=self._call_timeout)
+            raise DeviceError(
+                f"{action}: NVML did not answer within {self._call_timeout:g}s; the GPU or its driver "
+                "is hung (check dmesg for Xid errors; a GPU reset or a node reboot clears it)"
+            ) from None
+        if ok:
+            result: T = value
+            return result
+        raise value
+
+    # --- reading -----------------------------------------------------------------------------------
+
+    def _inventory(self) -> Inventory:
+        try:
+            count = pynvml.nvmlDeviceGetCount()
             driver_version = pynvml.nvmlSystemGetDriverVersion()
             cuda = pynvml.nvmlSystemGetCudaDriverVersion()
         except pynvml.NVMLError as e:
             raise _nvml_error(e, "reading the GPU inventory") from e
+        gpus = []
+        for index in range(count):
+            try:
+                gpus.append(self._gpu(index))
+            except (pynvml.NVMLError, DeviceError) as e:
+                # One GPU that cannot be read must not take the node's other GPUs with it. One read
+                # before stays as it was last seen: it stays published, so that the health watch's
+                # taint (a lost GPU) has a device to go on and its pods are evicted.
+                error = _nvml_error(e, f"reading GPU {index}") if isinstance(e, pynvml.NVMLError) else e
+                last = self._last_read.get(index)
+                if last is not None:
+                    log.warning(
+                        "gpu_read_failed_kept_as_last_read", index=index, gpu=last.uuid, error=str(error)
+                    )
+                    gpus.append(last)
+                    continue
+                log.error(
+                    "gpu_left_out_of_inventory",
+                    index=index,
+                    error=str(error),
+                    hint="the GPU is not published until it answers; check `nvidia-smi -i INDEX` and dmesg",
+                )
+        self._last_read = {gpu.index: gpu for gpu in gpus}
+        self._known_gpus = {gpu.index: gpu.uuid for gpu in gpus}
         return Inventory(
-            gpus=gpus,
+            gpus=tuple(gpus),
             driver_version=driver_version,
             cuda_driver_version=(cuda // 1000, cuda % 1000 // 10),
             control_nodes=self._control_nodes(),
         )
 
-    def create_mig_device(self, parent_uuid: str, profile_id: int, placement: Placement) -> MigDevice:
+    def _create_mig_device(self, parent_uuid: str, profile_id: int, placement: Placement) -> MigDevice:
         action = (
             f"creating a MIG device (profile id {profile_id}, memory slices {placement.start}.."
             f"{placement.start + placement.size - 1}) on GPU {parent_uuid}"
         )
         handle = self._handle(parent_uuid)
         try:
-            minor = pynvml.nvmlDeviceGetMinorNumber(handle)
             profile = next((p for p in self._profiles(handle) if p.profile_id == profile_id), None)
             if profile is None:
                 raise PlacementUnavailableError(f"{action}: the GPU offers no such profile")
@@ -154,6 +272,10 @@ class NvmlBackend:
                     f"{action}: profile {profile.name} starts only at slices {starts}"
                 )
             switched_on = self._switch_mig_mode_on(handle, parent_uuid)
+            if switched_on:
+                # SetMigMode may reset the GPU, and then its handle and minor number change (nvml.h).
+                handle = self._handle(parent_uuid)
+            minor = pynvml.nvmlDeviceGetMinorNumber(handle)
         except pynvml.NVMLError as e:
             raise _nvml_error(e, action) from e
         try:
@@ -194,7 +316,7 @@ class NvmlBackend:
                 raise
             raise _nvml_error(e, action) from e
 
-    def destroy_mig_device(self, parent_uuid: str, mig_uuid: str) -> None:
+    def _destroy_mig_device(self, parent_uuid: str, mig_uuid: str) -> None:
         handle = self._handle(parent_uuid)
         action = f"destroying MIG device {mig_uuid} on GPU {parent_uuid}"
         try:
@@ -212,14 +334,6 @@ class NvmlBackend:
             raise _nvml_error(e, action) from e
         self._switch_mig_mode_off_if_unused(handle, parent_uuid)
 
-    def close(self) -> None:
-        try:
-            pynvml.nvmlShutdown()
-        except pynvml.NVMLError as e:
-            log.warning("nvml_shutdown_failed", error=str(e))
-
-    # --- reading -----------------------------------------------------------------------------------
-
     def _gpu(self, index: int) -> Gpu:
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         minor = pynvml.nvmlDeviceGetMinorNumber(handle)
@@ -232,6 +346,7 @@ class NvmlBackend:
         profiles = self._profiles(handle) if mig_mode is not None else ()
         mig_enabled = mig_mode == pynvml.NVML_DEVICE_MIG_ENABLE
         uuid = pynvml.nvmlDeviceGetUUID(handle)
+        mig_devices, reserved = self._mig_devices(handle, uuid, minor, profiles) if mig_enabled else ((), ())
         return Gpu(
             uuid=uuid,
             minor=minor,
@@ -252,7 +367,8 @@ class NvmlBackend:
             mig_mode_change_requires_reset=mig_mode is not None and architecture < ARCHITECTURE_HOPPER,
             memory_slices=max((p.start + p.size for m in profiles for p in m.placements), default=0),
             mig_profiles=profiles,
-            mig_devices=self._mig_devices(handle, uuid, minor, profiles) if mig_enabled else (),
+            mig_devices=mig_devices,
+            reserved_placements=reserved,
             fabric=self._fabric(handle),
         )
 
@@ -272,7 +388,7 @@ class NvmlBackend:
         """The current MIG mode, or None when the GPU cannot do MIG."""
         try:
             current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
-        except pynvml.NVMLError_NotSupported:
+        except _ABSENT:
             return None
         return int(current)
 
@@ -283,7 +399,7 @@ class NvmlBackend:
         if per_sm:
             try:
                 return int(pynvml.nvmlDeviceGetNumGpuCores(handle)) // per_sm
-            except pynvml.NVMLError_NotSupported:
+            except _ABSENT:
                 pass
         known = (m for m in load_catalog().values() if m.pci_device_id == pci_device_id)
         return next((m.multiprocessors for m in known), 0)
@@ -295,7 +411,7 @@ class NvmlBackend:
         for nvml_profile in range(GPU_INSTANCE_PROFILE_COUNT):
             try:
                 info = pynvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, nvml_profile)
-            except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_InvalidArgument):
+            except (*_ABSENT, pynvml.NVMLError_InvalidArgument):
                 continue
             profiles.append(
                 MigProfile(
@@ -334,6 +450,8 @@ class NvmlBackend:
                 mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
             except (pynvml.NVMLError_NotFound, pynvml.NVMLError_InvalidArgument):
                 continue  # an empty slot
+            except pynvml.NVMLError_NotSupported:
+                return  # MIG mode is off: no MIG devices
             yield _MigHandle(
                 uuid=pynvml.nvmlDeviceGetUUID(mig),
                 gpu_instance_id=pynvml.nvmlDeviceGetGpuInstanceId(mig),
@@ -342,32 +460,73 @@ class NvmlBackend:
 
     def _mig_devices(
         self, handle: Any, gpu_uuid: str, minor: int, profiles: tuple[MigProfile, ...]
-    ) -> tuple[MigDevice, ...]:
-        by_id = {p.profile_id: p for p in profiles}
-        devices = []
+    ) -> tuple[tuple[MigDevice, ...], tuple[tuple[str, Placement], ...]]:
+        """The GPU's MIG devices, and the placements of GPU instances that are no usable MIG device.
+
+        The GPU instances are listed themselves, not found through the MIG devices (compute
+        instances): a GPU instance without a compute instance still holds its memory slices, and
+        one with several compute instances is several MIG devices at one placement, which the
+        driver does not publish. Both are *reserved*: no device is offered that overlaps them.
+        """
+        by_instance: dict[int, list[_MigHandle]] = {}
         for mig in self._mig_handles(handle):
-            info = pynvml.nvmlGpuInstanceGetInfo(
-                pynvml.nvmlDeviceGetGpuInstanceById(handle, mig.gpu_instance_id)
-            )
-            profile = by_id.get(info.profileId)
-            if profile is None:
+            by_instance.setdefault(mig.gpu_instance_id, []).append(mig)
+        devices = []
+        reserved = []
+        seen: set[int] = set()
+        for profile in profiles:
+            for gi_id, placement in self._gpu_instances(handle, profile):
+                seen.add(gi_id)
+                migs = by_instance.get(gi_id, [])
+                if len(migs) != 1:
+                    log.warning(
+                        "gpu_instance_not_published",
+                        gpu=gpu_uuid,
+                        gpu_instance=gi_id,
+                        profile=profile.name,
+                        placement=placement.start,
+                        compute_instances=len(migs),
+                        reason="the driver publishes a GPU instance with exactly one compute instance; "
+                        "its memory slices stay reserved",
+                    )
+                    reserved.append((profile.name, placement))
+                    continue
+                (mig,) = migs
+                devices.append(
+                    MigDevice(
+                        uuid=mig.uuid,
+                        parent_uuid=gpu_uuid,
+                        profile=profile.name,
+                        profile_id=profile.profile_id,
+                        placement=placement,
+                        gpu_instance_id=gi_id,
+                        compute_instance_id=mig.compute_instance_id,
+                        cap_nodes=self._cap_nodes(minor, gi_id, mig.compute_instance_id),
+                    )
+                )
+        for gi_id, migs in by_instance.items():
+            if gi_id not in seen:
                 raise DeviceError(
-                    f"MIG device {mig.uuid} uses GPU-instance profile {info.profileId}, which NVML does "
-                    "not list among the GPU's profiles"
+                    f"MIG device {migs[0].uuid} is in GPU instance {gi_id}, whose profile NVML does not "
+                    "list among the GPU's profiles"
                 )
-            devices.append(
-                MigDevice(
-                    uuid=mig.uuid,
-                    parent_uuid=gpu_uuid,
-                    profile=profile.name,
-                    profile_id=profile.profile_id,
-                    placement=Placement(info.placement.start, info.placement.size),
-                    gpu_instance_id=mig.gpu_instance_id,
-                    compute_instance_id=mig.compute_instance_id,
-                    cap_nodes=self._cap_nodes(minor, mig.gpu_instance_id, mig.compute_instance_id),
-                )
-            )
-        return tuple(devices)
+        devices.sort(key=lambda d: (d.gpu_instance_id, d.compute_instance_id))
+        return tuple(devices), tuple(reserved)
+
+    @staticmethod
+    def _gpu_instances(handle: Any, profile: MigProfile) -> list[tuple[int, Placement]]:
+        """The GPU instances of ``profile`` on the GPU: (GPU-instance id, placement)."""
+        slots = (pynvml.c_nvmlGpuInstance_t * max(1, profile.instance_count))()
+        count = ctypes.c_uint(len(slots))
+        try:
+            pynvml.nvmlDeviceGetGpuInstances(handle, profile.profile_id, slots, ctypes.byref(count))
+        except pynvml.NVMLError_NotSupported:
+            return []  # MIG mode is off
+        found = []
+        for gpu_instance in slots[: count.value]:
+            info = pynvml.nvmlGpuInstanceGetInfo(gpu_instance)
+            found.append((int(info.id), Placement(info.placement.start, info.placement.size)))
+        return found
 
     def _pcie_root(self, bus_id: str) -> str | None:
         """The PCIe root complex ("pci0000:3a") the sysfs device path of ``bus_id`` lies under."""
@@ -463,9 +622,13 @@ class NvmlBackend:
         except pynvml.NVMLError as e:
             raise _nvml_error(e, f"looking up GPU {gpu_uuid}") from e
 
-    @staticmethod
-    def _switch_mig_mode_on(handle: Any, gpu_uuid: str) -> bool:
-        """Make sure MIG mode is on; True if this call switched it on."""
+    def _switch_mig_mode_on(self, handle: Any, gpu_uuid: str) -> bool:
+        """Make sure MIG mode is on; True if this call switched it on.
+
+        A failed activation (the GPU is in use, or it needs a reset after all) leaves NVML's
+        *pending* mode enabled, and the GPU would come up in MIG mode at its next reset: the
+        pending mode is put back before the error is raised.
+        """
         current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
         if current == pynvml.NVML_DEVICE_MIG_ENABLE:
             return False
@@ -477,18 +640,26 @@ class NvmlBackend:
             )
         status = pynvml.nvmlDeviceSetMigMode(handle, pynvml.NVML_DEVICE_MIG_ENABLE)
         if status != pynvml.NVML_SUCCESS:
+            try:
+                pynvml.nvmlDeviceSetMigMode(handle, pynvml.NVML_DEVICE_MIG_DISABLE)
+            except pynvml.NVMLError as e:
+                log.error("mig_mode_pending_not_restored", gpu=gpu_uuid, error=str(e))
             raise pynvml.NVMLError(status)
+        self._mig_mode_switches += 1
+        self._record_mig_mode_owner(gpu_uuid, owned=True)
         log.info("mig_mode_switched_on", gpu=gpu_uuid)
         return True
 
     def _switch_mig_mode_off_if_unused(self, handle: Any, gpu_uuid: str) -> None:
-        """On Hopper and newer, switch MIG mode off once no MIG device is left, so the full GPU works again.
+        """Switch MIG mode off once no GPU instance is left, where this driver switched it on.
 
         Best effort: a failure leaves the GPU in MIG mode, which is safe, so it is logged, not raised.
         """
+        if gpu_uuid not in self._mig_mode_owners():
+            return  # an administrator's MIG mode: theirs to end
         try:
-            if pynvml.nvmlDeviceGetArchitecture(handle) < ARCHITECTURE_HOPPER or any(
-                self._mig_handles(handle)
+            if pynvml.nvmlDeviceGetArchitecture(handle) < ARCHITECTURE_HOPPER or self._has_gpu_instances(
+                handle
             ):
                 return
             status = pynvml.nvmlDeviceSetMigMode(handle, pynvml.NVML_DEVICE_MIG_DISABLE)
@@ -497,7 +668,59 @@ class NvmlBackend:
         except pynvml.NVMLError as e:
             log.warning("mig_mode_switch_off_failed", gpu=gpu_uuid, error=str(e))
             return
+        self._mig_mode_switches += 1
+        self._record_mig_mode_owner(gpu_uuid, owned=False)
         log.info("mig_mode_switched_off", gpu=gpu_uuid)
+
+    def _has_gpu_instances(self, handle: Any) -> bool:
+        return any(self._gpu_instances(handle, profile) for profile in self._profiles(handle))
+
+    def _reconcile_mig_mode(self) -> None:
+        """After a reboot: MIG mode the driver switched on, on a GPU without instances, goes off again.
+
+        MIG mode persists across reboots, GPU instances do not; left on, it would hide the full
+        GPU for good. GPUs whose MIG mode an administrator set are never touched.
+        """
+        for gpu_uuid in sorted(self._mig_mode_owners()):
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByUUID(gpu_uuid)
+                current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
+            except pynvml.NVMLError_NotFound:
+                self._record_mig_mode_owner(gpu_uuid, owned=False)  # the GPU is gone from the node
+                continue
+            except pynvml.NVMLError as e:
+                log.warning("mig_mode_reconcile_failed", gpu=gpu_uuid, error=str(e))
+                continue
+            if current != pynvml.NVML_DEVICE_MIG_ENABLE:
+                self._record_mig_mode_owner(gpu_uuid, owned=False)
+                continue
+            self._switch_mig_mode_off_if_unused(handle, gpu_uuid)
+
+    def _mig_mode_owners(self) -> set[str]:
+        if self._mig_mode_file is None:
+            return set(self._owned_in_memory)
+        try:
+            owners = json.loads(self._mig_mode_file.read_text())["switchedOn"]
+        except FileNotFoundError:
+            return set()
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("mig_mode_record_unreadable", path=str(self._mig_mode_file), error=str(e))
+            return set()
+        return {str(uuid) for uuid in owners}
+
+    def _record_mig_mode_owner(self, gpu_uuid: str, *, owned: bool) -> None:
+        owners = self._mig_mode_owners()
+        (owners.add if owned else owners.discard)(gpu_uuid)
+        self._owned_in_memory = owners
+        if self._mig_mode_file is None:
+            return
+        tmp = self._mig_mode_file.with_suffix(".tmp")
+        try:
+            self._mig_mode_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"switchedOn": sorted(owners)}) + "\n")
+            tmp.replace(self._mig_mode_file)
+        except OSError as e:
+            log.error("mig_mode_record_failed", path=str(self._mig_mode_file), error=str(e))
 
     @staticmethod
     def _create_instances(handle: Any, profile: MigProfile, placement: Placement) -> tuple[Any, Any]:
@@ -514,18 +737,32 @@ class NvmlBackend:
             )
             compute_instance = pynvml.nvmlGpuInstanceCreateComputeInstance(gpu_instance, ci_profile.id)
         except pynvml.NVMLError:
-            pynvml.nvmlGpuInstanceDestroy(gpu_instance)
+            NvmlBackend._destroy_instances(None, gpu_instance, "")
             raise
         return gpu_instance, compute_instance
 
     @staticmethod
     def _destroy_instances(compute_instance: Any, gpu_instance: Any, gpu_uuid: str) -> None:
-        """Roll back a half-made MIG device; a failure here is logged: the caller is already failing."""
-        try:
-            pynvml.nvmlComputeInstanceDestroy(compute_instance)
-            pynvml.nvmlGpuInstanceDestroy(gpu_instance)
-        except pynvml.NVMLError as e:
-            log.error("mig_rollback_failed", gpu=gpu_uuid, error=str(e))
+        """Roll back a half-made MIG device: each step tried again, never given up on silently.
+
+        The caller is already failing, so a failure here is logged, not raised; a GPU instance
+        that outlives it is listed by the inventory as reserved, so its slices are never offered.
+        """
+        steps = [("compute instance", pynvml.nvmlComputeInstanceDestroy, compute_instance)]
+        steps.append(("GPU instance", pynvml.nvmlGpuInstanceDestroy, gpu_instance))
+        for what, destroy, instance in steps:
+            if instance is None:
+                continue
+            for attempt in range(1, _ROLLBACK_ATTEMPTS + 1):
+                try:
+                    destroy(instance)
+                    break
+                except pynvml.NVMLError as e:
+                    log.error(
+                        "mig_rollback_failed", gpu=gpu_uuid, instance=what, attempt=attempt, error=str(e)
+                    )
+            else:
+                return  # a GPU instance with its compute instance still there cannot be destroyed
 
 
 NVML_SONAME = "libnvidia-ml.so.1"

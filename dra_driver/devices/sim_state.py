@@ -47,6 +47,10 @@ class SimGpu(_Record):
 
 class SimState(_Record):
     version: int = STATE_VERSION
+    # Whose GPUs these are: GPU uuids derive from the node name, models from the profile; a
+    # file written before these were recorded has them empty and is taken as its reader's.
+    profile: str = ""
+    node_name: str = ""
     boot_id: str = ""  # the boot this state belongs to; see SimulatedBackend for what a reboot clears
     mig_serial: int = 0  # MIG devices ever created: makes every MIG uuid unique
     gpus: dict[str, SimGpu] = Field(default_factory=dict)  # by GPU uuid
@@ -85,13 +89,32 @@ class StateFile:
 
     @contextlib.contextmanager
     def update(self) -> Iterator[SimState]:
-        """Yield the current state to change in place; it is written back when the block succeeds."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self._lock_path, "a") as lock:
+        """Yield the current state to change in place; it is written back when the block succeeds.
+
+        DeviceError when the state cannot be written (a file in the way, a full disk): the
+        simulated GPUs then stay as they were, as real ones do when a command fails.
+        """
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            lock = open(self._lock_path, "a")  # noqa: SIM115 -- closed below, after the block
+        except OSError as e:
+            raise self._unwritable(e) from e
+        with lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
             state = self.read()
             yield state
-            self._write(state)
+            try:
+                self._write(state)
+            except OSError as e:
+                raise self._unwritable(e) from e
+
+    def _unwritable(self, error: OSError) -> DeviceError:
+        # mkdir says "File exists" when a file is in the way of the directory.
+        problem = f"{self.path.parent} is not a directory" if isinstance(error, FileExistsError) else None
+        return DeviceError(
+            f"cannot write simulated GPU state {self.path}: {problem or error.strerror or error}; "
+            "point --data-dir / DRA_DATA_DIR at a writable directory"
+        )
 
     def _write(self, state: SimState) -> None:
         data = state.model_dump_json(by_alias=True, indent=2).encode()

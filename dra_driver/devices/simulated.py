@@ -215,8 +215,9 @@ class SimulatedBackend:
             target.uuid, chosen.profile_id, Placement(start, chosen.placements[0].size)
         )
 
-    def set_busy(self, device_uuid: str, busy: bool) -> None:
-        """Mark a GPU or a MIG device as having processes attached, or as idle again."""
+    def set_busy(self, target: str | int, busy: bool) -> None:
+        """Mark a GPU (by uuid or index) or a MIG device (by uuid) as having processes attached, or idle."""
+        device_uuid = self._resolve(target)[0].uuid if isinstance(target, int) else target
         with self._changing() as state:
             if any(gpu.uuid == device_uuid for gpu, _ in self._gpus):
                 sim = state.gpu(device_uuid)
@@ -257,13 +258,26 @@ class SimulatedBackend:
     # --- internals ---------------------------------------------------------------------------------
 
     def _reading(self) -> SimState:
-        return self._in_this_boot(self._state.read())
+        return self._in_this_boot(self._of_these_gpus(self._state.read()))
 
     @contextlib.contextmanager
     def _changing(self) -> Iterator[SimState]:
         """The state to change; written back only if the block completes (the GPU is left as it was)."""
         with self._state.update() as state:
-            yield self._in_this_boot(state)
+            yield self._in_this_boot(self._of_these_gpus(state))
+
+    def _of_these_gpus(self, state: SimState) -> SimState:
+        """Refuse the state of another node or profile: its MIG devices would land on the wrong GPUs."""
+        mine = (self.profile.name, self.node_name)
+        if state.profile and (state.profile, state.node_name) != mine:
+            raise DeviceError(
+                f"simulated GPU state {self._state.path} belongs to node {state.node_name!r} with profile "
+                f"{state.profile!r}, not node {self.node_name!r} with profile {self.profile.name!r}; pass "
+                "that node's --node-name and --simulate, another --data-dir, or delete the file to "
+                "power-cycle the simulated GPUs"
+            )
+        state.profile, state.node_name = mine
+        return state
 
     def _in_this_boot(self, state: SimState) -> SimState:
         """Turn ``state`` in place into what the hardware shows in this boot: a new boot id is a reboot."""

@@ -130,6 +130,9 @@ class Gpu:
     mig_profiles: tuple[MigProfile, ...] = ()
     mig_devices: tuple[MigDevice, ...] = ()
     fabric: FabricInfo | None = None  # None: NVML reports no fabric info (no multi-node NVLink)
+    # GPU instances that are no usable MIG device (no compute instance, or several): the profile name
+    # and placement of each. Their memory slices are taken, so nothing overlapping them is offered.
+    reserved_placements: tuple[tuple[str, Placement], ...] = ()
 
     def profile(self, name: str) -> MigProfile | None:
         return next((p for p in self.mig_profiles if p.name == name), None)

@@ -53,16 +53,21 @@ def socket_paths(driver_name: str, plugins_dir: Path, registry_dir: Path, pod_ui
     )
 
 
+def check_socket_path(path: Path) -> None:
+    """Raise :class:`KubeletSocketError` when ``path`` is too long for a unix socket."""
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
+        raise KubeletSocketError(
+            f"unix socket path {path} is {len(os.fsencode(path))} bytes, but the kernel allows at most "
+            f"{MAX_SOCKET_PATH_BYTES}; use shorter kubelet directories or a shorter driver name"
+        )
+
+
 class PublishedSocket:
     """One socket file that this process publishes and, at the end, removes."""
 
     def __init__(self, path: Path) -> None:
         """Raises :class:`KubeletSocketError` when ``path`` is too long for a unix socket."""
-        if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
-            raise KubeletSocketError(
-                f"unix socket path {path} is {len(os.fsencode(path))} bytes, but the kernel allows at most "
-                f"{MAX_SOCKET_PATH_BYTES}; use shorter kubelet directories or a shorter driver name"
-            )
+        check_socket_path(path)
         self.path = path
         # Never longer than a public name ("dra.sock" is the shortest), so it fits wherever they do.
         self._private = path.with_name(f".{secrets.token_hex(_PRIVATE_NAME_BYTES)}")

@@ -2,8 +2,10 @@
 
 Format (``checkpoint.json``)::
 
-    {"schemaVersion": 1, "checksum": "sha256:<hex>", "payload": {"bootId": ..., "generation": ...,
+    {"schemaVersion": 2, "checksum": "sha256:<hex>", "payload": {"bootId": ..., "generation": ...,
      "claims": {"<uid>": {...}}}}
+
+This is the snapshot; the changes since are in its log (:mod:`dra_driver.node.checkpoint_log`).
 
 The checksum covers the canonical JSON of ``payload`` (sorted keys, no spaces), so a
 torn or bit-flipped file is detected rather than half-believed. ``generation`` grows
@@ -29,6 +31,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -37,7 +40,10 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-SCHEMA_VERSION = 1
+from dra_driver import crashpoint
+
+# 2: the snapshot is continued by a log (checkpoint_log); a version-1 reader must not believe it alone.
+SCHEMA_VERSION = 2
 _TEMP_SUFFIX = ".tmp"
 
 log = structlog.get_logger(__name__)
@@ -123,6 +129,7 @@ class LoadedCheckpoint:
     checkpoint: Checkpoint  # the state to start from
     stale: dict[str, ClaimRecord]  # claims prepared during an earlier boot: clean up their CDI specs
     moved_aside: Path | None  # where an untrustworthy file went: rebuild the state
+    earlier_boot: bool = False  # the file was from an earlier boot (``stale`` may still be empty)
 
 
 def canonical_json(value: Any) -> bytes:
@@ -173,9 +180,10 @@ def read_boot_id(path: Path) -> str:
     """
     try:
         boot_id = path.read_text().strip()
-    except OSError as error:
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) else "not text"
         raise BootIdUnavailable(
-            f"cannot read the boot id from {path}: {error.strerror or error}; it tells prepared state "
+            f"cannot read the boot id from {path}: {reason or error}; it tells prepared state "
             "from before a reboot, so the driver does not start without it (mount the host's /proc, "
             "or point --boot-id-file / DRA_BOOT_ID_FILE at a file that holds it)"
         ) from None
@@ -184,8 +192,14 @@ def read_boot_id(path: Path) -> str:
     return boot_id
 
 
-def load(path: Path, boot_id: str) -> LoadedCheckpoint:
-    """Read the checkpoint for this boot; never raises for a bad file (see the module doc)."""
+def load(
+    path: Path, boot_id: str, replay: Callable[[Checkpoint], Checkpoint] = lambda snapshot: snapshot
+) -> LoadedCheckpoint:
+    """Read the checkpoint for this boot; never raises for a bad file (see the module doc).
+
+    ``replay`` brings the snapshot up to date (the journal applies its log) before the
+    boot is checked, so the claims of an earlier boot include those only the log holds.
+    """
     empty = Checkpoint(boot_id=boot_id)
     try:
         data = path.read_bytes()
@@ -206,6 +220,7 @@ def load(path: Path, boot_id: str) -> LoadedCheckpoint:
             what_to_do="nothing is needed to recover; keep the moved file for a bug report",
         )
         return LoadedCheckpoint(empty, stale={}, moved_aside=aside)
+    checkpoint = replay(checkpoint)
     if boot_id and checkpoint.boot_id != boot_id:
         log.info(
             "checkpoint is from an earlier boot; its claims are no longer prepared",
@@ -217,6 +232,7 @@ def load(path: Path, boot_id: str) -> LoadedCheckpoint:
             empty.model_copy(update={"generation": checkpoint.generation}),
             stale=dict(checkpoint.claims),
             moved_aside=None,
+            earlier_boot=True,
         )
     return LoadedCheckpoint(checkpoint, stale={}, moved_aside=None)
 
@@ -241,6 +257,7 @@ def write_atomically(path: Path, data: bytes) -> None:
             temp.write(data)
             temp.flush()
             os.fsync(temp.fileno())
+        crashpoint.reached("datafile.before_rename")
         os.replace(temp_name, path)
     except BaseException:
         Path(temp_name).unlink(missing_ok=True)
@@ -250,23 +267,19 @@ def write_atomically(path: Path, data: bytes) -> None:
         os.fsync(directory)
     finally:
         os.close(directory)
+    crashpoint.reached("datafile.after_write")
 
 
-def remove_leftover_temps(path: Path, *, older_than_s: float = 0.0) -> int:
+def remove_leftover_temps(path: Path) -> int:
     """Remove the temporary files that interrupted writes of ``path`` left; returns how many.
 
-    ``older_than_s`` spares files young enough to belong to a write still in progress by a
-    process that does not hold our lock.
+    Only for files written under the journal's lock, by a caller holding it: no write of
+    them can be in progress.
     """
     removed = 0
-    deadline = time.time() - older_than_s
     for temp in path.parent.glob(f".{glob.escape(path.name)}.*{_TEMP_SUFFIX}"):
-        try:
-            if temp.stat().st_mtime <= deadline:
-                temp.unlink()
-                removed += 1
-        except FileNotFoundError:
-            continue  # its writer renamed or removed it meanwhile
+        temp.unlink(missing_ok=True)
+        removed += 1
     if removed:
         log.info("removed temporary files of interrupted writes", file=str(path), count=removed)
     return removed

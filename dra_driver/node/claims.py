@@ -17,12 +17,13 @@ from typing import Any
 from dra_driver.node.types import ClaimRef
 
 # Kubernetes name rules (apimachinery validation): a namespace is a DNS label, a
-# ResourceClaim name a DNS subdomain.
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+# ResourceClaim name a DNS subdomain. Always fullmatch(): with match(), "$" also matches
+# before a trailing newline, and "ns\n" would pass.
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 # The API server generates UUIDs. We accept any plain token of letters, digits and '-' so
 # that it can never smuggle '/', '..' or NUL into the CDI file and device names built from it.
-_UID = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9]{0,62}[A-Za-z0-9])?$")
+_UID = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9]{0,62}[A-Za-z0-9])?")
 
 
 class ClaimRejected(Exception):
@@ -31,17 +32,17 @@ class ClaimRejected(Exception):
 
 def check_ref(ref: ClaimRef) -> None:
     """Reject an identity that is not a valid namespace, claim name and uid, before any I/O."""
-    if not ref.namespace or len(ref.namespace) > 63 or not _DNS_LABEL.match(ref.namespace):
+    if not ref.namespace or len(ref.namespace) > 63 or not _DNS_LABEL.fullmatch(ref.namespace):
         raise ClaimRejected(
             f"invalid claim namespace {ref.namespace!r}: must be a DNS label "
             "(at most 63 lower-case letters, digits and '-')"
         )
-    if not ref.name or len(ref.name) > 253 or not _DNS_SUBDOMAIN.match(ref.name):
+    if not ref.name or len(ref.name) > 253 or not _DNS_SUBDOMAIN.fullmatch(ref.name):
         raise ClaimRejected(
             f"invalid claim name {ref.name!r}: must be a DNS subdomain "
             "(at most 253 lower-case letters, digits, '-' and '.')"
         )
-    if not _UID.match(ref.uid):
+    if not _UID.fullmatch(ref.uid):
         raise ClaimRejected(
             f"invalid claim uid {ref.uid!r}: must be a plain token of letters, digits and '-' "
             "(a Kubernetes object UID)"

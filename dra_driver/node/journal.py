@@ -2,20 +2,24 @@
 
 Prepares of different claims run concurrently, and each must know its record is on
 disk before it answers the kubelet. Writing the file once per mutation behind one
-lock would make 200 concurrent prepares wait for 200 serial fsyncs (that is what the
-upstream Go helper and NVIDIA's driver do). Instead every :meth:`Journal.commit`
-queues its mutation and one flusher task writes all queued mutations with a single
-atomic write and fsync, then resolves every waiter; mutations that arrive during a
-write go into the next one.
+lock would make 200 concurrent prepares wait for 200 serial writes (that is what the
+upstream Go helper and NVIDIA's driver do, with an fsync each). Instead every
+:meth:`Journal.commit` queues its mutation and one flusher task applies all queued
+mutations and appends them to the checkpoint's log as one entry, then resolves every
+waiter; mutations that arrive during a write go into the next one. The cost of an
+entry is that of the records it changes, not of the whole state: the snapshot is
+rewritten only when the log has grown past twice its size (amortized O(1) per
+commit; see :mod:`dra_driver.node.checkpoint_log`).
 
 During a rolling update two plugin instances share the file. Each write is a
 read-modify-write under an exclusive ``flock`` on ``<checkpoint>.lock``, held only for
-that write (never across API calls): if the file in place does not hold what this
-instance wrote last, the other instance wrote it, so its state (with its higher
-``generation``) becomes the base the queued mutations apply to. (The comparison is
-of the bytes, not of inode numbers or times: a file system reuses freed inodes, and
-times are coarse.) No instance's update is lost, and the conflict rules of
-:mod:`dra_driver.node.state` always see both instances' claims.
+that write (never across API calls): if the log has grown past what this instance
+wrote or read last, the other instance appended to it, and its entries are applied
+before the queued mutations; if the log was started afresh (its random epoch
+changed), the other instance compacted, and both files are read again. (Epochs, not
+inode numbers or times: a file system reuses freed inodes, and times are coarse.)
+No instance's update is lost, and the conflict rules of :mod:`dra_driver.node.state`
+always see both instances' claims.
 
 The flusher is the only owner of the in-memory state: reads of the file
 (:meth:`Journal.refresh`) queue behind writes like mutations do, and the worker
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
 import os
 import threading
@@ -40,13 +45,17 @@ from pathlib import Path
 import structlog
 
 from dra_driver.node import checkpoint as ckpt
+from dra_driver.node import checkpoint_log as ckpt_log
 from dra_driver.node.checkpoint import (
     Checkpoint,
     CheckpointFromNewerDriver,
     CheckpointUnreadable,
     LoadedCheckpoint,
 )
+from dra_driver.node.checkpoint_log import LogEntry, LogPosition
 from dra_driver.node.state import Mutation, MutationRejected, apply
+
+_COMPACT_AT_LEAST = 1 << 20  # bytes of log before the snapshot is rewritten, at the least
 
 log = structlog.get_logger(__name__)
 
@@ -70,7 +79,9 @@ class Journal:
         self.path = path
         self._lock_path = path.with_name(path.name + ".lock")
         self._state: Checkpoint | None = None
-        self._written: bytes | None = None  # the file's content as this instance wrote (or read) it last
+        self._log_path = ckpt_log.log_path(path)
+        self._position: LogPosition | None = None  # how far this instance wrote or read the log
+        self._snapshot_size = 0  # bytes of the snapshot last written or read
         self._pending: list[tuple[_Step, asyncio.Future[Checkpoint]]] = []
         self._flusher: asyncio.Task[None] | None = None
         # The file lock is per open file, so it also excludes our own threads; this lock
@@ -95,15 +106,31 @@ class Journal:
 
     def _open(self, boot_id: str, repair: Callable[[LoadedCheckpoint], Checkpoint]) -> None:
         with self._locked():
-            ckpt.remove_leftover_temps(self.path)  # only lock holders write it: none is in progress
-            loaded = ckpt.load(self.path, boot_id)
+            # Only lock holders write these files: no write of them is in progress.
+            ckpt.remove_leftover_temps(self.path)
+            ckpt.remove_leftover_temps(self._log_path)
+            replayed: list[ckpt_log.Replayed] = []
+
+            def replay(snapshot: Checkpoint) -> Checkpoint:
+                replayed.append(ckpt_log.replay(self.path, snapshot))
+                return replayed[0].state
+
+            loaded = ckpt.load(self.path, boot_id, replay)
+            if replayed and replayed[0].damaged and not loaded.earlier_boot:
+                aside = ckpt_log.keep_damaged(self.path)
+                log.error(
+                    "checkpoint log damaged after its last whole entry; recovering the claims it lost "
+                    "from their CDI specs",
+                    moved_to=str(aside),
+                    what_to_do="nothing is needed to recover; keep the copy for a bug report",
+                )
             state = repair(loaded)
-            if state != loaded.checkpoint or loaded.stale or loaded.moved_aside or not self.path.exists():
-                state = state.model_copy(update={"generation": state.generation + 1})
-                self._written = ckpt.write(self.path, state)
+            position = replayed[0].position if replayed else None
+            if position is None or loaded.earlier_boot or state != loaded.checkpoint:
+                self._compact(state.model_copy(update={"generation": state.generation + 1}))
             else:
-                self._written = self.path.read_bytes()
-            self._state = state
+                self._snapshot_size = self.path.stat().st_size
+                self._state, self._position = state, position
 
     async def refresh(self) -> Checkpoint:
         """The state including what another plugin instance wrote since our last write.
@@ -146,31 +173,53 @@ class Journal:
                 _resolve(future, state if outcome is None else outcome)
 
     def _write(self, steps: list[_Step]) -> tuple[Checkpoint, list[MutationRejected | None]]:
-        """Apply ``steps`` to the freshest state; publish state and bytes before unlocking."""
+        """Apply ``steps`` to the freshest state; publish the state before unlocking."""
         with self._locked():
-            base, seen = self._current()
+            base, position = self._current()
             mutations = [step for step in steps if not isinstance(step, _Read)]
             state, applied = apply(base, mutations)
-            written = ckpt.write(self.path, state) if state is not base else seen
-            # Only now, with the write done and the lock still held: a failed write changes neither.
-            self._state, self._written = state, written
+            if state is base:
+                self._state, self._position = state, position
+            elif position is None or position.end > max(_COMPACT_AT_LEAST, 2 * self._snapshot_size):
+                self._compact(state)
+            else:
+                changed = {m.uid for m in mutations if base.claims.get(m.uid) is not state.claims.get(m.uid)}
+                entry = LogEntry(
+                    generation=state.generation,
+                    set={uid: state.claims[uid] for uid in sorted(changed) if uid in state.claims},
+                    delete=tuple(sorted(uid for uid in changed if uid not in state.claims)),
+                )
+                end = ckpt_log.append(self._log_path, ckpt_log.encode_entry(entry), position.end)
+                # Only now, with the write done and the lock still held: a failed write changes nothing.
+                self._state, self._position = state, dataclasses.replace(position, end=end)
             results = iter(applied)
             return state, [None if isinstance(step, _Read) else next(results) for step in steps]
 
-    def _current(self) -> tuple[Checkpoint, bytes | None]:
-        """The state to build on and the file content it stands for.
+    def _compact(self, state: Checkpoint) -> None:
+        """Write ``state`` as the snapshot and start an empty log after it."""
+        self._snapshot_size = len(ckpt.write(self.path, state))
+        # A crash here leaves the new snapshot and the old log, whose base it no longer
+        # matches: the log is ignored, and the snapshot holds all it said.
+        self._state, self._position = state, ckpt_log.start(self.path, state.generation)
 
-        That is our state, or the other instance's if it wrote the file since our last write.
-        Changes nothing: the caller publishes both together once its own write is done.
+    def _current(self) -> tuple[Checkpoint, LogPosition | None]:
+        """The state to build on and how far it follows the log (None: compact at the next write).
+
+        That is our state, plus what another instance wrote since our last write. The
+        state is not published here: the caller does that once its own write is done.
         """
         mine = self.state
+        if self._position is not None:
+            followed = ckpt_log.follow(self.path, mine, self._position)
+            if followed is not None:
+                if followed.position != self._position:
+                    log.info("checkpoint changed by another plugin instance; merging")
+                return followed.state, followed.position
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:
             log.warning("checkpoint disappeared; writing it again from memory", path=str(self.path))
-            return mine, self._written
-        if data == self._written:
-            return mine, data
+            return mine, None
         try:
             theirs = ckpt.decode(data)
         except CheckpointFromNewerDriver as error:
@@ -182,15 +231,14 @@ class Journal:
                 path=str(self.path),
                 reason=str(error),
             )
-            return mine, self._written
+            return mine, None
         log.info(
-            "checkpoint changed by another plugin instance; merging",
-            ours=mine.generation,
-            theirs=theirs.generation,
+            "checkpoint rewritten by another plugin instance; reading it again", theirs=theirs.generation
         )
-        # The file wins: it holds our earlier writes plus theirs. The next write must
-        # have a higher generation than both.
-        return theirs.model_copy(update={"generation": max(theirs.generation, mine.generation)}), data
+        self._snapshot_size = len(data)
+        replayed = ckpt_log.replay(self.path, theirs)
+        # The files win: they hold our earlier writes plus theirs.
+        return replayed.state, replayed.position
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

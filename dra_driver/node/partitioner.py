@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import structlog
 
+from dra_driver import crashpoint
 from dra_driver.devices.backend import Backend, DeviceError, DeviceInUseError, PlacementUnavailableError
 from dra_driver.devices.types import Inventory, MigDevice, Placement
 from dra_driver.node.checkpoint import MigRecord
@@ -57,6 +58,7 @@ class Partitioner:
         """Create the MIG device ``mig`` describes (named ``device`` in the slices)."""
         placement = Placement(mig.placement_start, mig.placement_size)
         async with self._gpu_lock(mig.parent_uuid):
+            crashpoint.reached("mig.before_create")
             try:
                 created = await asyncio.to_thread(
                     self._backend.create_mig_device, mig.parent_uuid, mig.profile_id, placement
@@ -71,6 +73,7 @@ class Partitioner:
                 raise PartitionError(f"cannot create MIG device {device} yet: {error}") from error
             except DeviceError as error:
                 raise PartitionError(f"cannot create MIG device {device}: {error}") from error
+            crashpoint.reached("mig.after_create")
             try:
                 await asyncio.to_thread(self._ledger.add, mig.model_copy(update={"uuid": created.uuid}))
             except OSError as error:
@@ -85,6 +88,7 @@ class Partitioner:
     async def destroy(self, device: str, parent_uuid: str, mig_uuid: str) -> None:
         """Destroy a MIG device; one that is already gone is not an error."""
         async with self._gpu_lock(parent_uuid):
+            crashpoint.reached("mig.before_destroy")
             try:
                 await asyncio.to_thread(self._backend.destroy_mig_device, parent_uuid, mig_uuid)
             except DeviceInUseError as error:
@@ -93,6 +97,7 @@ class Partitioner:
                 ) from error
             except DeviceError as error:
                 raise PartitionError(f"cannot destroy MIG device {device} ({mig_uuid}): {error}") from error
+            crashpoint.reached("mig.after_destroy")
         try:
             await asyncio.to_thread(self._ledger.remove, mig_uuid)
         except OSError as error:  # harmless: start-up forgets entries of devices that are gone

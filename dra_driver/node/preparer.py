@@ -5,10 +5,18 @@ One prepare, for one claim::
     check the identity -> already PrepareCompleted (and its spec on disk)? answer from
     the record: idempotent, the kubelet prepares again after it restarts
     -> GET the claim -> keep our results -> plan (devices, configs, CDI spec; pure)
-    -> commit PrepareStarted (reserves the devices, records the MIG devices to create;
-       refused if another claim holds one)
+    -> nothing to create (full GPUs, existing MIG devices): write the CDI spec, then
+       commit PrepareCompleted in one step (refused if another claim holds a device:
+       the spec goes again) -> answer
+    -> MIG devices to create: commit PrepareStarted first (reserves the devices,
+       records the MIG devices to create; refused if another claim holds one)
     -> create each MIG device, committing its uuid as soon as it exists
     -> write the CDI spec -> commit PrepareCompleted -> answer
+
+The one-step commit is safe because a spec on disk without a record is what recovery
+already treats as a prepared claim (:mod:`dra_driver.node.recovery`): after a crash
+between the two, the devices stay reserved until the kubelet's retry or unprepare. It
+halves the checkpoint writes of the common prepare.
 
 Unprepare destroys the claim's MIG devices first: while one cannot be destroyed (in
 use), the claim keeps its record and spec and the kubelet retries. Only then are the
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -266,30 +275,46 @@ class NodePreparer:
                     "the pod cannot start until the claim exists again"
                 )
             claim = allocated_claim(ref, claim_json, self._driver, self._pool)
+            inventory = self._inventory()
             plan = plan_claim(
                 claim,
-                self._inventory(),
+                inventory,
                 self._driver,
-                self._common,
+                # The control nodes of the current inventory: nvidia-uvm and nvidia-modeset appear
+                # when their kernel modules load, possibly after the plugin started.
+                dataclasses.replace(self._common, device_nodes=inventory.control_nodes),
                 partition=self._partition,
                 mig_holders=self._mig_holders(),
             )
             record = ClaimRecord(
                 namespace=ref.namespace,
                 name=ref.name,
-                phase="PrepareStarted",
+                phase="PrepareCompleted" if not plan.to_create else "PrepareStarted",
                 attempt=secrets.token_hex(8),
                 devices=_device_records(plan),
             )
-            await self._journal.commit(
-                Reserve(ref.uid, record, replaces=existing.attempt if existing else None)
-            )
+            reserve = Reserve(ref.uid, record, replaces=existing.attempt if existing else None)
+            if plan.to_create:
+                await self._journal.commit(reserve)
+            else:
+                await self._write_spec_and_commit(ref.uid, plan, reserve)
             if existing is not None:
                 log.info("replaced an earlier record of the claim", phase=existing.phase)
                 await self._destroy_replaced(existing, record)
-            completed = await self._complete(ref.uid, plan, record)
+            completed = await self._complete(ref.uid, plan, record) if plan.to_create else record
             log.info("claim prepared", devices=[d.device for d in completed.devices])
             return _prepared_devices(completed)
+
+    async def _write_spec_and_commit(self, uid: str, plan: ClaimPlan, reserve: Reserve) -> None:
+        """The one-step prepare: the spec, then the completed record; no spec stays if it is refused."""
+        await asyncio.to_thread(self._specs.write, uid, plan.cdi_spec)
+        try:
+            await self._journal.commit(reserve)
+        except BaseException:
+            # Another attempt's record of this claim (another instance) keeps the spec: it is theirs too.
+            if uid not in self._journal.state.claims:
+                await asyncio.to_thread(self._specs.remove, uid)
+            raise
 
     async def _destroy_replaced(self, old: ClaimRecord, new: ClaimRecord) -> None:
         """Destroy the MIG devices an earlier attempt created that the new record does not use."""

@@ -70,24 +70,21 @@ def starting_state(
 ) -> Checkpoint:
     """The state to start from; ``live_mig_devices`` reads the MIG devices the GPUs have now."""
     specs.remove_leftover_temps()
-    if loaded.stale:
+    state = loaded.checkpoint
+    recorded_mig = any(device.mig for record in state.claims.values() for device in record.devices)
+    # Reading the GPUs costs a little; a node that never created a MIG device need not.
+    live = live_mig_devices() if recorded_mig or ledger.entries() else ()
+    ours = _forget_gone(ledger, live)
+    if loaded.earlier_boot:
         for uid in sorted(set(loaded.stale) | specs.claim_uids()):
             specs.remove(uid)
         log.info("cleared the claims of an earlier boot", claims=len(loaded.stale))
-        _forget_gone(ledger, live_mig_devices())
-        return loaded.checkpoint
-    if loaded.moved_aside is None:
-        if not any(device.mig for record in loaded.checkpoint.claims.values() for device in record.devices):
-            _forget_gone(ledger, live_mig_devices())
-            return loaded.checkpoint
-        live = live_mig_devices()
-        repaired = _with_live_mig_devices(loaded.checkpoint, live, specs)
-        _forget_gone(ledger, live)
-        _enter_recorded(ledger, repaired)
-        return repaired
-    live = live_mig_devices()
-    ours = _forget_gone(ledger, live)
-    claims = dict(loaded.checkpoint.claims)
+        return state
+    if recorded_mig:
+        state = _with_live_mig_devices(state, live, specs)
+        _enter_recorded(ledger, state, ours)
+    # A spec without a record: the checkpoint was lost or damaged after the prepare wrote it.
+    claims = dict(state.claims)
     for uid in sorted(specs.claim_uids() - set(claims)):
         record = _recovered(uid, specs, pool, ours)
         if record is None:
@@ -106,7 +103,9 @@ def starting_state(
             mig_uuids=unclaimed,
             what_to_do="destroy those no workload uses (nvidia-smi mig -dci, -dgi)",
         )
-    return loaded.checkpoint.model_copy(update={"claims": claims})
+    if claims == state.claims:
+        return state
+    return state.model_copy(update={"claims": claims})
 
 
 def _forget_gone(ledger: MigLedger, live: Sequence[MigDevice]) -> dict[str, MigRecord]:
@@ -118,14 +117,13 @@ def _forget_gone(ledger: MigLedger, live: Sequence[MigDevice]) -> dict[str, MigR
     return {uuid: mig for uuid, mig in entries.items() if uuid in alive}
 
 
-def _enter_recorded(ledger: MigLedger, checkpoint: Checkpoint) -> None:
-    """Enter the checkpoint's live MIG devices the ledger lacks."""
-    known = set(ledger.entries())
+def _enter_recorded(ledger: MigLedger, checkpoint: Checkpoint, ours: dict[str, MigRecord]) -> None:
+    """Enter the checkpoint's live MIG devices the ledger lacks (into ``ours`` too)."""
     for record in checkpoint.claims.values():
         for device in record.devices:
-            if device.mig is not None and device.mig.uuid is not None and device.mig.uuid not in known:
+            if device.mig is not None and device.mig.uuid is not None and device.mig.uuid not in ours:
                 ledger.add(device.mig)
-                known.add(device.mig.uuid)
+                ours[device.mig.uuid] = device.mig
 
 
 def _recovered(uid: str, specs: SpecStore, pool: str, ours: dict[str, MigRecord]) -> ClaimRecord | None:

@@ -81,19 +81,21 @@ def apply(
     claims = dict(checkpoint.claims)
     holders = _Holders(claims)
     outcomes: list[MutationRejected | None] = []
+    changed = False
     for mutation in mutations:
         try:
-            _apply_one(claims, holders, mutation)
+            changed = _apply_one(claims, holders, mutation) or changed
         except MutationRejected as rejected:
             outcomes.append(rejected)
         else:
             outcomes.append(None)
-    if claims == checkpoint.claims:
+    if not changed:
         return checkpoint, outcomes
     return checkpoint.model_copy(update={"claims": claims, "generation": checkpoint.generation + 1}), outcomes
 
 
-def _apply_one(claims: dict[str, ClaimRecord], holders: _Holders, mutation: Mutation) -> None:
+def _apply_one(claims: dict[str, ClaimRecord], holders: _Holders, mutation: Mutation) -> bool:
+    """Apply one mutation; whether it changed anything."""
     existing = claims.get(mutation.uid)
     match mutation:
         case Reserve(uid=uid, record=record, replaces=replaces):
@@ -104,6 +106,7 @@ def _apply_one(claims: dict[str, ClaimRecord], holders: _Holders, mutation: Muta
                 )
             holders.check(uid, record, claims)
             _replace(claims, holders, uid, record)
+            return True
         case Progress(uid=uid, record=record) | Complete(uid=uid, record=record):
             if existing is None or existing.attempt != record.attempt:
                 raise MutationRejected(
@@ -111,9 +114,12 @@ def _apply_one(claims: dict[str, ClaimRecord], holders: _Holders, mutation: Muta
                     "the kubelet will retry"
                 )
             _replace(claims, holders, uid, record)
+            return True
         case Release(uid=uid, attempt=attempt):
             if existing is not None and attempt in (None, existing.attempt):
                 _replace(claims, holders, uid, None)
+                return True
+    return False
 
 
 def _replace(claims: dict[str, ClaimRecord], holders: _Holders, uid: str, record: ClaimRecord | None) -> None:

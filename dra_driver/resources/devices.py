@@ -151,7 +151,8 @@ def _gpu_devices(inventory: Inventory, gpu: Gpu, partitioned: bool, owned: Colle
         whole = () if gpu.mig_enabled else (_full_gpu(gpu, common),)
         return GpuDevices(devices=whole + static_devices)
 
-    budget = partition_budget(gpu.mig_profiles, gpu.memory_slices, ((m.profile, m.placement) for m in static))
+    taken = [(m.profile, m.placement) for m in static] + list(gpu.reserved_placements)
+    budget = partition_budget(gpu.mig_profiles, gpu.memory_slices, taken)
     if not budget.offered:
         return GpuDevices(devices=static_devices)
     capacities = dict(budget.capacities)

@@ -21,13 +21,16 @@ import asyncio
 import contextlib
 import random
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import structlog
-from kubernetes.aio.client import ApiClient
 
 from dra_driver.resources.pool import PoolOwner, dropped_fields, plan_pool
 from dra_driver.resources.slice_api import ApiError, ResourceSliceApi
 from dra_driver.resources.slices import SliceContent
+
+if TYPE_CHECKING:  # only for the annotations: dra_driver.kube imports the client's machinery
+    from kubernetes.aio.client import ApiClient
 
 _log = structlog.get_logger(__name__)
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
-from kubernetes.aio.client import ApiClient
 
 from dra_driver.resources.wire import ResourceSlice
+
+if TYPE_CHECKING:  # only for the annotations: dra_driver.kube imports the client's machinery
+    from kubernetes.aio.client import ApiClient
 
 _COLLECTION = "/apis/resource.k8s.io/v1/resourceslices"
 _REQUEST_TIMEOUT_S = 30.0

@@ -13,7 +13,7 @@ import os
 import select
 import signal
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,12 +71,18 @@ def _die_with_parent() -> Callable[[], None]:
 
 
 def spawn(
-    name: str, argv: Sequence[str], log: Path, *, die_with_parent: bool
+    name: str,
+    argv: Sequence[str],
+    log: Path,
+    *,
+    die_with_parent: bool,
+    env: Mapping[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], ProcessRecord]:
-    """Starts `argv` in a new session with stdout and stderr appended to `log`."""
+    """Starts `argv` in a new session with stdout and stderr appended to `log` (`env`: its environment)."""
     with log.open("ab") as log_file:
         child = subprocess.Popen(
             argv,
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=log_file,
             stderr=subprocess.STDOUT,

@@ -51,8 +51,9 @@ def test_inventory_lists_every_simulated_profile() -> None:
 
 def test_an_unknown_profile_is_a_clear_error() -> None:
     result = dra_driver("inventory", "--simulate", "dgx-z900")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "dgx-z900" in result.stderr
+    assert "--simulate / DRA_SIMULATE" in result.stderr
     assert "Traceback" not in result.stderr
 
 

@@ -7,6 +7,7 @@ import argparse
 
 import pytest
 
+from dra_driver import cli
 from dra_driver.app import taint_policy
 from dra_driver.cli_settings import add_settings_flags, env_name, settings_from
 from dra_driver.resources.taints import TaintEffect, TaintPolicy
@@ -64,8 +65,12 @@ def test_an_empty_list_ignores_no_xid() -> None:
     ],
 )
 def test_a_bad_value_names_the_setting(
-    flag: str, value: str, complaint: str, capsys: pytest.CaptureFixture[str]
+    flag: str, value: str, complaint: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with pytest.raises(SystemExit):
-        settings_from(parse([flag, value]))
-    assert complaint in capsys.readouterr().err
+    monkeypatch.setenv("DRA_LOG_FORMAT", "console")
+    assert cli.main(["kubelet-plugin", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ")
+    assert err.count("\n") == 1
+    assert flag in err
+    assert complaint in err

@@ -7,8 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from dra_driver.cli_settings import add_settings_flags, env_name, flag_name, settings_from
-from dra_driver.settings import Settings
+from dra_driver.cli_settings import (
+    add_settings_flags,
+    env_name,
+    flag_name,
+    requested_log_format,
+    settings_from,
+)
+from dra_driver.errors import StartupError
+from dra_driver.settings import LogFormat, Settings, http_host_port
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -64,19 +71,103 @@ def test_state_dir_defaults_under_the_plugin_dir() -> None:
         (["--log-level", "loud"], "--log-level / DRA_LOG_LEVEL"),
     ],
 )
-def test_a_bad_value_exits_2_naming_the_flag_and_the_env_var(
-    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with pytest.raises(SystemExit) as exit_info:
+def test_a_bad_value_exits_2_naming_the_flag_and_the_env_var(argv: list[str], named: str) -> None:
+    with pytest.raises(StartupError) as refused:
         settings_from(parse(argv))
-    assert exit_info.value.code == 2
-    assert named in capsys.readouterr().err
+    assert refused.value.exit_code == 2
+    assert named in str(refused.value)
 
 
-def test_a_bad_env_value_is_reported_too(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_bad_env_value_is_reported_too(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DRA_LOG_FORMAT", "xml")
-    with pytest.raises(SystemExit):
+    with pytest.raises(StartupError, match="DRA_LOG_FORMAT"):
         settings_from(parse([]))
-    assert "DRA_LOG_FORMAT" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "named", "says"),
+    [
+        (["--node-name", "N1_bad!"], "DRA_NODE_NAME", "DNS subdomain"),
+        (["--node-name", "n" * 254], "DRA_NODE_NAME", "at most 253"),
+        (["--pod-uid", "../x"], "DRA_POD_UID", "socket file names"),
+        (["--pod-uid", ".hidden"], "DRA_POD_UID", "pod UID"),
+        (["--simulate", "dgx-z900"], "DRA_SIMULATE", "dgx-h100"),
+        (["--mig-partitions", "bogus"], "DRA_MIG_PARTITIONS", "'bogus'"),
+        (["--mig-partitions", "0,MIG-1234"], "DRA_MIG_PARTITIONS", "'MIG-1234'"),
+        (["--mig-partitions", " , "], "DRA_MIG_PARTITIONS", "comma-separated"),
+        (["--driver-root", "run/nvidia/driver"], "DRA_DRIVER_ROOT", "absolute"),
+        (["--driver-root-mount", "driver-root"], "DRA_DRIVER_ROOT_MOUNT", "absolute"),
+        (["--plugins-dir", ""], "DRA_PLUGINS_DIR", "not empty"),
+        (["--cdi-dir", " "], "DRA_CDI_DIR", "not empty"),
+        (["--http-address", "notaport"], "DRA_HTTP_ADDRESS", "host:port"),
+        (["--http-address", ":99999"], "DRA_HTTP_ADDRESS", "0-65535"),
+        (["--http-address", ":\uff18\uff10"], "DRA_HTTP_ADDRESS", "host:port"),  # full-width digits
+        (["--http-address", "fe80::1:8080"], "DRA_HTTP_ADDRESS", "[::]:8080"),
+        (["--health-poll-seconds", "nan"], "DRA_HEALTH_POLL_SECONDS", "finite"),
+        (["--inventory-refresh-seconds", "inf"], "DRA_INVENTORY_REFRESH_SECONDS", "finite"),
+    ],
+)
+def test_values_that_used_to_pass_are_refused(argv: list[str], named: str, says: str) -> None:
+    with pytest.raises(StartupError) as refused:
+        settings_from(parse(argv))
+    assert refused.value.exit_code == 2
+    assert f"{flag_name(argv[0][2:].replace('-', '_'))} / {named}" in str(refused.value)
+    assert says in str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+def test_good_values_stay_accepted_in_their_usual_spellings() -> None:
+    uuid = "GPU-5f0e1b2c-3d4e-5f60-7182-93a4b5c6d7e8"
+    settings = settings_from(
+        parse(
+            [
+                "--node-name=ip-10-0-1-7.ec2.internal",
+                "--pod-uid=3f2b6c1e-8d4a-4e0b-9c1d-2a5e7f8b9c0d",
+                f"--mig-partitions= 0, {uuid} ,0",
+                "--http-address=[::]:9090",
+                "--driver-root=/run/nvidia/driver",
+            ]
+        )
+    )
+    assert settings.mig_partitions == f"0,{uuid}"
+    assert settings_from(parse(["--mig-partitions", " ALL "])).mig_partitions == "all"
+    assert http_host_port(settings.http_address) == ("::", 9090)
+    assert http_host_port(":8080") == ("0.0.0.0", 8080)
+    assert settings_from(parse(["--http-address", ""])).http_address == ""  # the endpoint is off
+
+
+def test_an_empty_optional_path_means_its_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A Helm template or a shell renders an unset value as "": it must not mean the current directory.
+    monkeypatch.setenv("DRA_DATA_DIR", "")
+    monkeypatch.setenv("DRA_KUBECONFIG", "")
+    monkeypatch.setenv("DRA_DRIVER_ROOT_MOUNT", " ")
+    settings = settings_from(parse(["--plugins-dir", "/p"]))
+    assert settings.state_dir == Path("/p/gpu.dra-driver.dev")
+    assert settings.kubeconfig is None
+    assert settings.driver_root_mount is None
+
+
+def test_every_bad_setting_is_named_in_one_message() -> None:
+    with pytest.raises(StartupError) as refused:
+        settings_from(parse(["--log-level", "loud", "--node-name", "A"]))
+    message = str(refused.value)
+    assert "--log-level / DRA_LOG_LEVEL" in message
+    assert "--node-name / DRA_NODE_NAME" in message
+    assert "Value error" not in message  # pydantic's prefix says nothing to a user
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        ([], {}, LogFormat.AUTO),
+        ([], {"DRA_LOG_FORMAT": "json"}, LogFormat.JSON),
+        (["--log-format", "console"], {"DRA_LOG_FORMAT": "json"}, LogFormat.CONSOLE),
+        (["--log-format=json"], {}, LogFormat.JSON),
+        (["--log-format", "xml"], {"DRA_LOG_FORMAT": "json"}, LogFormat.AUTO),
+        (["--log-format"], {"DRA_LOG_FORMAT": "console"}, LogFormat.CONSOLE),
+    ],
+)
+def test_the_log_format_of_an_error_is_read_before_settings_are_valid(
+    argv: list[str], env: dict[str, str], expected: LogFormat
+) -> None:
+    assert requested_log_format(argv, env) is expected

@@ -30,7 +30,7 @@ from dra_driver.cdi.spec import (
 from dra_driver.cdi.store import SpecStore
 from dra_driver.cdi.validate import validate_spec
 from dra_driver.devices.driver_root import DriverFiles, HostFile
-from dra_driver.devices.types import DeviceNode
+from dra_driver.devices.types import DeviceNode, Inventory
 
 from .conftest import (
     CLAIM_UID,
@@ -323,3 +323,29 @@ def test_any_names_give_a_valid_spec_file_or_a_clear_refusal(
         validate_spec(written)
         assert schema.errors(written) == []
         assert [d["name"] for d in written["devices"]] == [f"{claim_uid}-{name}" for name in names]
+
+
+def test_the_hook_adds_nvidias_glx_and_optical_flow_links() -> None:
+    version = "580.95.05"
+    libraries = tuple(
+        HostFile(PurePosixPath(f"{DRIVER_ROOT}{LIB}/{name}"), PurePosixPath(f"{LIB}/{name}"))
+        for name in (
+            f"libcuda.so.{version}",
+            f"libGLX_nvidia.so.{version}",
+            f"libnvidia-opticalflow.so.{version}",
+        )
+    )
+    files = DriverFiles(PurePosixPath(DRIVER_ROOT), version, libraries, (), None)
+    inventory = Inventory(gpus=(), driver_version=version, cuda_driver_version=(13, 0))
+    (links, ldcache) = common_edits(inventory, files, hook_path=HOOK).hooks
+    assert links.args == (
+        "nvidia-cdi-hook",
+        "create-symlinks",
+        "--link",
+        f"libcuda.so.1::{LIB}/libcuda.so",
+        "--link",
+        f"libGLX_nvidia.so.{version}::{LIB}/libGLX_indirect.so.0",
+        "--link",
+        f"libnvidia-opticalflow.so.1::{LIB}/libnvidia-opticalflow.so",
+    )
+    assert ldcache.args == ("nvidia-cdi-hook", "update-ldcache", "--folder", LIB)

@@ -175,3 +175,81 @@ def test_a_corrupt_spec_is_reported_with_its_path(store: SpecStore) -> None:
     path.write_text("[]")
     with pytest.raises(ValueError, match="does not hold a CDI spec object"):
         store.read(CLAIM_UID)
+
+
+WRITE_AND_CRASH = """
+import sys
+from pathlib import Path
+from dra_driver.cdi.spec import CommonEdits, claim_spec
+from dra_driver.cdi.store import SpecStore
+from tests.cdi.conftest import DRIVER, GPU0, full_gpu
+uid = sys.argv[2]
+spec = claim_spec(DRIVER, uid, [full_gpu(GPU0)], CommonEdits((), (), ()))
+SpecStore(Path(sys.argv[1]), DRIVER).write(uid, spec)
+"""
+
+
+def test_a_write_killed_before_its_rename_leaves_a_temp_file_the_next_start_removes(
+    store: SpecStore, tmp_path: Path
+) -> None:
+    """kill -9 between writing and renaming: the runtime never sees the half-done spec, and the
+    temporary file does not stay forever (found by the fault suite, e2e/reliability)."""
+    import signal
+    import subprocess
+    import sys
+
+    store.write(OTHER_UID, spec_for(OTHER_UID))
+    directory = tmp_path / "cdi"
+    crashed = subprocess.run(
+        [sys.executable, "-c", WRITE_AND_CRASH, str(directory), CLAIM_UID],
+        env={**os.environ, "TEST_DRA_CRASH_POINT": "cdi.before_rename"},
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+    )
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    (temp,) = [p.name for p in directory.iterdir() if p.suffix == ".tmp"]
+    assert runtime_visible(directory) == [store.path_for(OTHER_UID).name]
+
+    assert store.remove_leftover_temps() == [temp]
+    assert sorted(p.name for p in directory.iterdir()) == [store.path_for(OTHER_UID).name]
+
+
+def test_a_temp_file_a_live_writer_holds_is_kept(store: SpecStore, tmp_path: Path) -> None:
+    """During a rolling update the other instance may be writing a spec right now."""
+    import fcntl
+
+    directory = tmp_path / "cdi"
+    directory.mkdir()
+    in_use = directory / f".{store.path_for(CLAIM_UID).stem}.abc123.tmp"
+    abandoned = directory / f".{store.path_for(OTHER_UID).stem}.def456.tmp"
+    not_ours = directory / ".other-vendor.com-claim_x.tmp"
+    for path in (in_use, abandoned, not_ours):
+        path.write_text("{")
+    with in_use.open() as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert store.remove_leftover_temps() == [abandoned.name]
+    assert sorted(p.name for p in directory.iterdir()) == sorted([in_use.name, not_ours.name])
+
+
+def test_a_temp_file_swept_before_its_writer_locked_it_is_replaced(
+    store: SpecStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one moment a sweep can take a live writer's file: between its creation and its lock."""
+    import tempfile
+
+    real_mkstemp = tempfile.mkstemp
+    created: list[str] = []
+
+    def mkstemp_then_swept(**options: Any) -> tuple[int, str]:
+        fd, name = real_mkstemp(**options)
+        created.append(name)
+        if len(created) == 1:
+            store.remove_leftover_temps()  # another instance starting, at the worst moment
+        return fd, name
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp_then_swept)
+    store.write(CLAIM_UID, spec_for(CLAIM_UID))
+    assert len(created) == 2
+    assert store.read(CLAIM_UID) == spec_for(CLAIM_UID)
+    assert not [p for p in store.path_for(CLAIM_UID).parent.iterdir() if p.suffix == ".tmp"]

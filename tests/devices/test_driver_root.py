@@ -7,7 +7,13 @@ from pathlib import Path, PurePosixPath
 import pytest
 
 from dra_driver.devices.backend import DeviceError
-from dra_driver.devices.driver_root import DriverFiles, HostFile, find_driver_files
+from dra_driver.devices.driver_root import (
+    DriverFiles,
+    HostFile,
+    find_cdi_hook,
+    find_driver_files,
+    parse_capabilities,
+)
 
 VERSION = "580.95.05"
 
@@ -42,11 +48,11 @@ def test_a_driver_container_root_maps_files_to_their_host_layout(tmp_path):
     libcuda = _by_name(files.libraries)[f"libcuda.so.{VERSION}"]
     assert libcuda.host_path == PurePosixPath(root / f"usr/lib/x86_64-linux-gnu/libcuda.so.{VERSION}")
     assert libcuda.container_path == PurePosixPath(f"/usr/lib/x86_64-linux-gnu/libcuda.so.{VERSION}")
-    assert [f.container_path.name for f in files.libraries] == [
+    assert [f.container_path.name for f in files.libraries] == [  # compute, then utility
         f"libcuda.so.{VERSION}",
-        f"libnvidia-ml.so.{VERSION}",
         f"libnvidia-ptxjitcompiler.so.{VERSION}",
         f"libnvidia-nvvm.so.{VERSION}",
+        f"libnvidia-ml.so.{VERSION}",
     ]
     assert {f.container_path for f in files.binaries} == {
         PurePosixPath("/usr/bin/nvidia-smi"),
@@ -150,3 +156,41 @@ def test_soname_links_are_mounted_so_programs_find_the_libraries(tmp_path: Path)
         f"libnvidia-ml.so.{VERSION}",
         "libnvidia-ml.so.1",
     ]
+
+
+def test_video_and_graphics_libraries_come_only_when_asked_for(tmp_path):
+    lib = "usr/lib/x86_64-linux-gnu"
+    _install(
+        tmp_path,
+        f"{lib}/libcuda.so.{VERSION}",
+        f"{lib}/libnvidia-ml.so.{VERSION}",
+        f"{lib}/libnvidia-nscq.so.{VERSION}",
+        f"{lib}/libnvcuvid.so.{VERSION}",
+        f"{lib}/libnvidia-encode.so.{VERSION}",
+        f"{lib}/libGLX_nvidia.so.{VERSION}",
+    )
+    default = {f.container_path.name for f in find_driver_files(tmp_path, VERSION).libraries}
+    assert default == {f"libcuda.so.{VERSION}", f"libnvidia-ml.so.{VERSION}", f"libnvidia-nscq.so.{VERSION}"}
+    video = {
+        f.container_path.name for f in find_driver_files(tmp_path, VERSION, capabilities=("video",)).libraries
+    }
+    assert video == default | {f"libnvcuvid.so.{VERSION}", f"libnvidia-encode.so.{VERSION}"}
+    everything = find_driver_files(tmp_path, VERSION, capabilities=parse_capabilities("all")).libraries
+    assert f"libGLX_nvidia.so.{VERSION}" in {f.container_path.name for f in everything}
+
+
+def test_driver_capabilities_are_nvidias_classes():
+    assert parse_capabilities("video, compute") == ("compute", "video")
+    assert parse_capabilities("all") == ("compute", "utility", "graphics", "video")
+    with pytest.raises(ValueError, match=r"unknown driver capabilities display: use a comma-separated list"):
+        parse_capabilities("compute,display")
+
+
+def test_the_cdi_hook_is_found_in_the_driver_root_and_named_by_its_host_path(tmp_path):
+    seen_at = tmp_path / "driver-root"
+    assert find_cdi_hook(Path("/run/nvidia/driver"), seen_at=seen_at) is None
+    _install(seen_at, "usr/bin/nvidia-cdi-hook")
+    assert (
+        find_cdi_hook(Path("/run/nvidia/driver"), seen_at=seen_at)
+        == "/run/nvidia/driver/usr/bin/nvidia-cdi-hook"
+    )

@@ -309,6 +309,36 @@ def test_a_corrupt_state_file_says_how_to_recover(tmp_path, node):
         node.inventory()
 
 
+def test_state_that_cannot_be_written_is_a_device_error_and_changes_nothing(tmp_path, boot_id):
+    (tmp_path / "in-the-way").write_text("")
+    blocked = SimulatedBackend("mixed", "node-a", tmp_path / "in-the-way", boot_id_path=boot_id)
+    with pytest.raises(DeviceError, match=r"in-the-way is not a directory; point --data-dir"):
+        blocked.inject_xid(0, 79)
+    assert (tmp_path / "in-the-way").read_text() == ""
+
+
+def test_state_of_another_profile_or_node_is_refused_and_kept(tmp_path, node, boot_id):
+    created = node.admin_create_mig(0, "1g.10gb", 3)
+    saved = (tmp_path / "state" / "simulated-gpus.json").read_text()
+    for profile, node_name in (("dgx-h100", "node-a"), ("mixed", "node-b")):
+        other = SimulatedBackend(profile, node_name, tmp_path / "state", boot_id_path=boot_id)
+        with pytest.raises(DeviceError, match="belongs to node 'node-a' with profile 'mixed'"):
+            other.inventory()
+        with pytest.raises(DeviceError, match="belongs to node"):
+            other.inject_xid(0, 79)
+    assert (tmp_path / "state" / "simulated-gpus.json").read_text() == saved
+    assert [m.uuid for m in _h100(node).mig_devices] == [created.uuid]
+
+
+def test_state_written_before_owners_were_recorded_is_taken_as_ours(tmp_path, node):
+    created = node.admin_create_mig(0, "1g.10gb", 3)
+    path = tmp_path / "state" / "simulated-gpus.json"
+    document = json.loads(path.read_text())
+    del document["profile"], document["nodeName"]
+    path.write_text(json.dumps(document))
+    assert [m.uuid for m in _h100(node).mig_devices] == [created.uuid]
+
+
 def test_the_state_file_is_plain_json(tmp_path, node):
     created = node.admin_create_mig(0, "1g.10gb", 3)
     document = json.loads((tmp_path / "state" / "simulated-gpus.json").read_text())

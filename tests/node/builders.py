@@ -12,7 +12,8 @@ from typing import Any
 from dra_driver.cdi.spec import common_edits
 from dra_driver.cdi.store import SpecStore
 from dra_driver.devices.simulated import SimulatedBackend
-from dra_driver.node.checkpoint import Checkpoint, decode
+from dra_driver.node.checkpoint import Checkpoint
+from dra_driver.node.checkpoint_log import read_state
 from dra_driver.node.claim_fetcher import ClaimFetcher
 from dra_driver.node.config import API_VERSION
 from dra_driver.node.preparer import NodePreparer
@@ -162,7 +163,7 @@ class Node:
         return preparer
 
     def on_disk(self) -> Checkpoint:
-        return decode(self.checkpoint_path.read_bytes())
+        return read_state(self.checkpoint_path)
 
     def spec_files(self) -> set[str]:
         return {p.name for p in self.cdi_dir.glob("*")} if self.cdi_dir.exists() else set()

@@ -61,7 +61,7 @@ def test_file_format_is_versioned_and_checksummed(tmp_path: Path) -> None:
 
     document = json.loads(path.read_text())
 
-    assert document["schemaVersion"] == 1
+    assert document["schemaVersion"] == ckpt.SCHEMA_VERSION
     assert document["checksum"].startswith("sha256:")
     assert document["payload"]["bootId"] == BOOT
     assert document["payload"]["claims"]["u1"]["devices"][0]["cdiDeviceIds"] == [
@@ -94,11 +94,11 @@ def test_unknown_boot_keeps_the_state(tmp_path: Path) -> None:
     assert ckpt.load(path, "").checkpoint == sample()
 
 
-@pytest.mark.parametrize("content", [None, "", "\n"])
-def test_a_missing_or_empty_boot_id_refuses_to_start(tmp_path: Path, content: str | None) -> None:
+@pytest.mark.parametrize("content", [None, b"", b"\n", b"\xff\xfe not text"])
+def test_a_missing_or_empty_boot_id_refuses_to_start(tmp_path: Path, content: bytes | None) -> None:
     boot_id = tmp_path / "boot_id"
     if content is not None:
-        boot_id.write_text(content)
+        boot_id.write_bytes(content)
 
     with pytest.raises(ckpt.BootIdUnavailable, match="DRA_BOOT_ID_FILE"):
         ckpt.read_boot_id(boot_id)
@@ -109,7 +109,7 @@ def test_a_file_of_a_newer_schema_is_refused_and_left_alone(tmp_path: Path) -> N
     newer = json.dumps({"schemaVersion": ckpt.SCHEMA_VERSION + 1, "checksum": "sha256:x", "payload": {}})
     path.write_text(newer)
 
-    with pytest.raises(ckpt.CheckpointFromNewerDriver, match=r"newer version of the driver \(schema 2"):
+    with pytest.raises(ckpt.CheckpointFromNewerDriver, match=r"newer version of the driver \(schema 3"):
         ckpt.load(path, BOOT)
 
     assert path.read_text() == newer  # neither moved aside nor rewritten
@@ -160,7 +160,7 @@ def test_a_changed_byte_is_detected_or_harmless(position: int, flip: int) -> Non
         (b"[]", "not a checkpoint"),
         (
             json.dumps({"schemaVersion": 0, "checksum": "x", "payload": {}}).encode(),
-            "schemaVersion 0 is not 1",
+            "schemaVersion 0 is not 2",
         ),
         (ENCODED.replace(b'"generation": 7', b'"generation": 8'), "checksum mismatch"),
     ],
@@ -186,7 +186,7 @@ def test_payload_that_breaks_the_schema_is_unreadable() -> None:
     payload = ckpt.canonical_json(document["payload"])
     document["checksum"] = "sha256:" + hashlib.sha256(payload).hexdigest()
 
-    with pytest.raises(CheckpointUnreadable, match="does not match schema 1"):
+    with pytest.raises(CheckpointUnreadable, match="does not match schema 2"):
         ckpt.decode(json.dumps(document).encode())
 
 

@@ -33,6 +33,10 @@ from .builders import DRIVER, NODE, claim_json, new_ref, opaque, result
         ("default", "c", "abc\x00def", "invalid claim uid"),
         ("default", "c", "-leading-dash", "invalid claim uid"),
         ("default", "c", "x" * 65, "invalid claim uid"),
+        # A trailing newline slipped past "$" (found by the fault suite's gRPC fuzzer, e2e/reliability).
+        ("default\n", "c", "0d7f3c52-1b6e-4bb7-9a1e-0c6a3c1e5b11", "invalid claim namespace"),
+        ("default", "c\n", "0d7f3c52-1b6e-4bb7-9a1e-0c6a3c1e5b11", "invalid claim name"),
+        ("default", "c", "0d7f3c52-1b6e-4bb7-9a1e-0c6a3c1e5b11\n", "invalid claim uid"),
     ],
 )
 def test_malformed_identity_is_rejected(namespace: str, name: str, uid: str, complaint: str) -> None:

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from dra_driver.node import checkpoint as ckpt
+from dra_driver.node import checkpoint_log as ckpt_log
 from dra_driver.node.checkpoint import Checkpoint, ClaimRecord, DeviceRecord, LoadedCheckpoint, Phase
+from dra_driver.node.checkpoint_log import LogEntry, read_state
 from dra_driver.node.journal import CheckpointWriteError, Journal
 from dra_driver.node.state import Complete, MutationRejected, Release, Reserve
 
@@ -45,15 +47,15 @@ async def opened(path: Path) -> Journal:
 
 @pytest.fixture
 def writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts checkpoint writes (each is one fsync'ed file): the number of claims in each."""
+    """Counts checkpoint writes (each is one write call): the number of claims each one changes."""
     counted: list[int] = []
-    real_write = ckpt.write
+    real_encode = ckpt_log.encode_entry
 
-    def counting_write(path: Path, checkpoint: Checkpoint) -> bytes:
-        counted.append(len(checkpoint.claims))
-        return real_write(path, checkpoint)
+    def counting_encode(entry: LogEntry) -> bytes:
+        counted.append(len(entry.set) + len(entry.delete))
+        return real_encode(entry)
 
-    monkeypatch.setattr(ckpt, "write", counting_write)
+    monkeypatch.setattr(ckpt_log, "encode_entry", counting_encode)
     return counted
 
 
@@ -63,7 +65,7 @@ async def test_concurrent_commits_share_one_write(tmp_path: Path, writes: list[i
 
     await asyncio.gather(*(journal.commit(Reserve(f"u{i}", record(f"a{i}", f"gpu-{i}"))) for i in range(200)))
 
-    on_disk = ckpt.decode((tmp_path / "checkpoint.json").read_bytes())
+    on_disk = read_state(tmp_path / "checkpoint.json")
     assert sorted(on_disk.claims) == sorted(f"u{i}" for i in range(200))
     assert journal.state == on_disk
     # All 200 were queued before the writer ran: one file write (one fsync) for all of them.
@@ -82,7 +84,7 @@ async def test_exactly_one_of_two_claims_for_one_device_wins(tmp_path: Path) -> 
     assert outcomes[0] is None
     assert isinstance(outcomes[1], MutationRejected)
     assert "device gpu-0 is already prepared for claim ns/claim-a1 (u1)" in str(outcomes[1])
-    assert set(ckpt.decode((tmp_path / "checkpoint.json").read_bytes()).claims) == {"u1"}
+    assert set(read_state(tmp_path / "checkpoint.json").claims) == {"u1"}
 
 
 async def test_admin_access_never_counts_against_a_device(tmp_path: Path) -> None:
@@ -130,32 +132,99 @@ async def test_another_instances_writes_are_merged_not_lost(tmp_path: Path) -> N
         await first.commit(Reserve("u4", record("a4", "gpu-1")))
     await second.commit(Release("u1"))
 
-    on_disk = ckpt.decode(path.read_bytes())
+    on_disk = read_state(path)
     assert set(on_disk.claims) == {"u2", "u3"}
     assert on_disk.generation > first.state.generation  # each write, by either, counts up
     await first.commit(Release("u-none"))  # writes nothing, but takes in second's release of u1
     assert first.state == on_disk
     await first.commit(Reserve("u5", record("a5", "gpu-0")))  # so gpu-0 is free again
-    assert set(ckpt.decode(path.read_bytes()).claims) == {"u2", "u3", "u5"}
+    assert set(read_state(path).claims) == {"u2", "u3", "u5"}
+
+
+async def test_two_instances_lose_nothing_while_either_compacts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("dra_driver.node.journal._COMPACT_AT_LEAST", 2048)  # compact every few commits
+    path = tmp_path / "checkpoint.json"
+    first, second = await opened(path), await opened(path)
+
+    for i in range(40):
+        writer, other = (first, second) if i % 3 else (second, first)
+        await writer.commit(Reserve(f"u{i}", record(f"a{i}", f"gpu-{i}")))
+        if i % 4 == 0:
+            await other.commit(Release(f"u{i}"))  # the other instance releases what this one wrote
+
+    expected = {f"u{i}" for i in range(40) if i % 4}
+    assert set(read_state(path).claims) == expected
+    assert set((await first.refresh()).claims) == expected
+    assert set((await second.refresh()).claims) == expected
 
 
 async def test_failed_write_changes_nothing_and_the_next_succeeds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    journal = await opened(tmp_path / "checkpoint.json")
-    real_write = ckpt.write
+    path = tmp_path / "checkpoint.json"
+    journal = await opened(path)
+    await journal.commit(Reserve("u0", record("a0", "gpu-7")))
+    log_before = ckpt_log.log_path(path).read_bytes()
+    real_pwrite = os.pwrite
 
-    def full_disk(path: Path, checkpoint: Checkpoint) -> bytes:
+    def disk_full_half_way(fd: int, data: bytes, offset: int) -> int:
+        real_pwrite(fd, data[: len(data) // 2], offset)  # the disk filled up during the write
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ckpt, "write", full_disk)
+    monkeypatch.setattr(ckpt_log.os, "pwrite", disk_full_half_way)
     with pytest.raises(CheckpointWriteError, match="No space left on device"):
         await journal.commit(Reserve("u1", record("a1", "gpu-0")))
-    assert journal.state.claims == {}
+    assert set(journal.state.claims) == {"u0"}
+    assert ckpt_log.log_path(path).read_bytes() == log_before  # the torn half was cut off again
 
-    monkeypatch.setattr(ckpt, "write", real_write)
+    monkeypatch.setattr(ckpt_log.os, "pwrite", real_pwrite)
     await journal.commit(Reserve("u2", record("a2", "gpu-0")))
-    assert set(ckpt.decode((tmp_path / "checkpoint.json").read_bytes()).claims) == {"u2"}
+    assert set(read_state(path).claims) == {"u0", "u2"}
+
+
+async def test_a_torn_last_line_is_ignored_and_cut_off_by_the_next_write(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.json"
+    journal = await opened(path)
+    await journal.commit(Reserve("u1", record("a1", "gpu-0")))
+    with ckpt_log.log_path(path).open("ab") as log:
+        log.write(b'{"checksum":"sha256:00","entry":{"gener')  # a writer that died mid-line
+
+    assert set(read_state(path).claims) == {"u1"}
+    restarted = await opened(path)
+    await restarted.commit(Reserve("u2", record("a2", "gpu-1")))
+
+    assert set(read_state(path).claims) == {"u1", "u2"}
+    assert ckpt_log.log_path(path).read_bytes().count(b"\n") == 3  # the header and two whole entries
+
+
+async def test_the_snapshot_is_rewritten_once_the_log_outgrows_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "checkpoint.json"
+    journal = await opened(path)
+    snapshots: list[int] = []
+    real_write = ckpt.write
+
+    def counting_write(path: Path, checkpoint: Checkpoint) -> bytes:
+        snapshots.append(checkpoint.generation)
+        return real_write(path, checkpoint)
+
+    monkeypatch.setattr(ckpt, "write", counting_write)
+    monkeypatch.setattr("dra_driver.node.journal._COMPACT_AT_LEAST", 4096)
+    for i in range(60):
+        await journal.commit(Reserve(f"u{i}", record(f"a{i}", f"gpu-{i}")))
+        if i % 3:
+            await journal.commit(Release(f"u{i}"))
+
+    # Amortized: a snapshot every few dozen commits, not one per commit.
+    assert 1 <= len(snapshots) <= 10
+    assert len(ckpt_log.log_path(path).read_bytes()) <= 4096 + 1024
+    assert set(read_state(path).claims) == {f"u{i}" for i in range(0, 60, 3)}
+    assert read_state(path) == journal.state
+    reopened = await opened(path)
+    assert reopened.state.claims == journal.state.claims
 
 
 async def test_a_cancelled_waiter_does_not_undo_its_mutation(tmp_path: Path) -> None:
@@ -167,7 +236,7 @@ async def test_a_cancelled_waiter_does_not_undo_its_mutation(tmp_path: Path) -> 
     await journal.commit(Reserve("u2", record("a2", "gpu-1")))  # resolves after the batch holding u1
 
     assert waiter.cancelled()
-    assert set(ckpt.decode((tmp_path / "checkpoint.json").read_bytes()).claims) == {"u1", "u2"}
+    assert set(read_state(tmp_path / "checkpoint.json").claims) == {"u1", "u2"}
 
 
 async def test_refreshes_racing_commits_lose_no_update(tmp_path: Path) -> None:
@@ -226,10 +295,11 @@ async def test_opening_removes_temporary_files_of_interrupted_writes(tmp_path: P
     path = tmp_path / "checkpoint.json"
     ckpt.write(path, Checkpoint(boot_id=BOOT))
     (tmp_path / ".checkpoint.json.k2j3.tmp").write_text("{torn")
+    (tmp_path / ".checkpoint.json.log.x8a1.tmp").write_text('{"base"')
 
     await opened(path)
 
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint.json", "checkpoint.json.lock"]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint.json", "checkpoint.json.lock", "checkpoint.json.log"]
 
 
 OTHER_INSTANCE = """
@@ -279,7 +349,7 @@ async def other_instance(path: Path, count: int, mode: str) -> asyncio.subproces
 
 
 def claim_ids(path: Path) -> set[str]:
-    return set(ckpt.decode(path.read_bytes()).claims)
+    return set(read_state(path).claims)
 
 
 async def test_two_processes_taking_turns_lose_nothing(tmp_path: Path) -> None:
@@ -300,7 +370,7 @@ async def test_two_processes_taking_turns_lose_nothing(tmp_path: Path) -> None:
     assert await other.wait() == 0
 
     assert claim_ids(path) == {f"a{i}" for i in range(count)} | {f"b{i}" for i in range(count)}
-    assert ckpt.decode(path.read_bytes()).generation == 2 * count + 1  # opening wrote generation 1
+    assert read_state(path).generation == 2 * count + 1  # opening wrote generation 1
 
 
 async def test_two_processes_writing_at_once_lose_nothing(tmp_path: Path) -> None:

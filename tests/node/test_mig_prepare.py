@@ -10,6 +10,7 @@ two A100-40GBs (gpu-2, gpu-3: MIG mode needs a reset) and two L4s (gpu-4, gpu-5:
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import threading
@@ -23,6 +24,7 @@ from dra_driver.app import desired_slices
 from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import Inventory, MigDevice, Placement
 from dra_driver.node import checkpoint as ckpt
+from dra_driver.node import checkpoint_log as ckpt_log
 from dra_driver.node.checkpoint import ClaimRecord, DeviceRecord, MigRecord
 from dra_driver.node.config import API_VERSION
 from dra_driver.node.preparer import NodePreparer
@@ -488,14 +490,14 @@ async def test_a_failed_checkpoint_write_after_the_create_destroys_the_device(
     preparer = await node.started()
     ref = new_ref()
     node.allocate(ref, "gpu-1-mig-1g10gb-19-5")
-    real_write = ckpt.write
+    real_append = ckpt_log.append
 
-    def failing_once_a_mig_uuid_is_in_it(path: Path, checkpoint: ckpt.Checkpoint) -> bytes:
-        if any(d.mig and d.mig.uuid for r in checkpoint.claims.values() for d in r.devices):
+    def failing_once_a_mig_uuid_is_in_it(path: Path, data: bytes, at: int) -> int:
+        if b'"uuid":"MIG-' in data:
             raise OSError(5, "Input/output error")
-        return real_write(path, checkpoint)
+        return real_append(path, data, at)
 
-    monkeypatch.setattr(ckpt, "write", failing_once_a_mig_uuid_is_in_it)
+    monkeypatch.setattr(ckpt_log, "append", failing_once_a_mig_uuid_is_in_it)
 
     assert "Input/output error" in error_of((await preparer.prepare([ref]))[ref.uid])
     assert live_migs(node, 1) == []
@@ -702,18 +704,25 @@ async def test_a_device_the_ledger_lost_track_of_is_entered_again(node: Node) ->
 
 
 async def test_leftover_temporary_spec_files_are_removed_at_start(node: Node) -> None:
+    """A temporary spec file nobody holds locked is a dead write's, however young: a crash and a
+    quick restart must not leave it. One a live writer holds (the other plugin instance of a rolling
+    update, writing right now) stays."""
     node.cdi_dir.mkdir(parents=True, exist_ok=True)
     prefix = f".{KIND.replace('/', '-')}_"
     old, young = node.cdi_dir / f"{prefix}u-old.ab12.tmp", node.cdi_dir / f"{prefix}u-young.cd34.tmp"
-    for leftover in (old, young):
+    in_progress = node.cdi_dir / f"{prefix}u-busy.ef56.tmp"
+    for leftover in (old, young, in_progress):
         leftover.write_text("{half")
     an_hour_ago = time.time() - 3600
     os.utime(old, (an_hour_ago, an_hour_ago))
 
-    await node.started()
+    with in_progress.open() as writer:
+        fcntl.flock(writer, fcntl.LOCK_EX)
+        await node.started()
 
     assert not old.exists()
-    assert young.exists()  # may be a write in progress by the other plugin instance
+    assert not young.exists()
+    assert in_progress.exists()
 
 
 async def test_many_claims_on_many_gpus_of_a_16_gpu_node(tmp_path: Path) -> None:

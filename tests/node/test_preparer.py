@@ -7,6 +7,7 @@ would return); everything below it is real.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,7 +16,9 @@ from typing import Any
 import pytest
 import structlog
 
+from dra_driver.cdi.spec import common_edits
 from dra_driver.node import checkpoint as ckpt
+from dra_driver.node import checkpoint_log as ckpt_log
 from dra_driver.node.checkpoint import ClaimRecord, DeviceRecord
 from dra_driver.node.claim_fetcher import ClaimFetchError
 from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice
@@ -486,12 +489,61 @@ async def test_reboot_clears_every_claim_and_spec(node: Node) -> None:
     devices_of((await preparer.prepare([ref]))[ref.uid])  # the kubelet prepares it again
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "not json", "unknown schema"])
-async def test_damaged_checkpoint_is_rebuilt_from_the_cdi_specs(node: Node, damage: str) -> None:
+async def test_a_full_gpu_prepare_writes_the_checkpoint_once(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    preparer = await node.started()
+    appends: list[bytes] = []
+    real_append = ckpt_log.append
+
+    def counting_append(path: Path, data: bytes, at: int) -> int:
+        appends.append(data)
+        return real_append(path, data, at)
+
+    monkeypatch.setattr(ckpt_log, "append", counting_append)
+    ref = new_ref()
+    node.allocate(ref, "gpu-3")
+
+    devices_of((await preparer.prepare([ref]))[ref.uid])
+
+    assert len(appends) == 1
+    assert node.on_disk().claims[ref.uid].phase == "PrepareCompleted"
+
+
+async def test_a_crash_between_the_spec_and_its_record_keeps_the_devices_reserved(node: Node) -> None:
+    crashed, rival = new_ref("crashed"), new_ref("rival")
+    node.allocate(crashed, "gpu-2")
+    await (await node.started()).prepare([crashed])
+    # What a crash right after the spec write leaves: the spec, and no record of it.
+    ckpt.write(node.checkpoint_path, ckpt.Checkpoint(boot_id=node.boot_id_path.read_text().strip()))
+
+    preparer = await node.started()
+
+    assert node.on_disk().claims[crashed.uid].phase == "Recovered"
+    node.allocate(rival, "gpu-2")
+    assert "device gpu-2 is already prepared" in error_of((await preparer.prepare([rival]))[rival.uid])
+    devices_of((await preparer.prepare([crashed]))[crashed.uid])  # the kubelet's retry
+    assert node.on_disk().claims[crashed.uid].phase == "PrepareCompleted"
+
+
+@pytest.mark.parametrize(
+    ("damaged", "damage"),
+    [
+        ("checkpoint.json", "truncate"),
+        ("checkpoint.json", "not json"),
+        ("checkpoint.json", "unknown schema"),
+        ("checkpoint.json.log", "flip"),
+        ("checkpoint.json.log", "not json"),
+    ],
+)
+async def test_damaged_checkpoint_is_rebuilt_from_the_cdi_specs(
+    node: Node, damaged: str, damage: str
+) -> None:
     kept, other = new_ref("kept"), new_ref("other")
     node.allocate(kept, "gpu-0", "gpu-1")
     await (await node.started()).prepare([kept])
-    data = node.checkpoint_path.read_bytes()
+    path = node.checkpoint_path.with_name(damaged)
+    data = path.read_bytes()
     match damage:
         case "truncate":
             data = data[: len(data) // 2]
@@ -499,14 +551,14 @@ async def test_damaged_checkpoint_is_rebuilt_from_the_cdi_specs(node: Node, dama
             at = data.index(b'"gpu-0"') + 2
             data = data[:at] + b"q" + data[at + 1 :]
         case "not json":
-            data = b"\x00" * 64
+            data = data[: data.index(b"\n") + 1] + b"\x00" * 64 if damaged.endswith(".log") else b"\x00" * 64
         case "unknown schema":
-            data = data.replace(b'"schemaVersion": 1', b'"schemaVersion": 0')
-    node.checkpoint_path.write_bytes(data)
+            data = data.replace(b'"schemaVersion": 2', b'"schemaVersion": 0')
+    path.write_bytes(data)
 
     preparer = await node.started()  # must not crash
 
-    aside = list(node.checkpoint_path.parent.glob("checkpoint.json.corrupt-*"))
+    aside = list(node.checkpoint_path.parent.glob(f"{damaged}.corrupt-*"))
     assert len(aside) == 1
     assert aside[0].read_bytes() == data
     recovered = node.on_disk().claims[kept.uid]
@@ -570,3 +622,46 @@ async def test_every_prepare_log_line_names_the_claim(node: Node) -> None:
     assert all(e.get("claim_uid") for e in capture.entries)
     assert by_claim[bad.uid][0]["claim_namespace"] == "default"
     assert by_claim[bad.uid][0]["claim_name"] == "bad"
+
+
+async def test_start_removes_temp_files_of_spec_writes_a_crash_interrupted(node: Node) -> None:
+    """What a kill -9 between a spec's write and its rename leaves (found by e2e/reliability)."""
+    prepared = new_ref("kept")
+    node.allocate(prepared, "gpu-0")
+    first = await node.started()
+    devices_of((await first.prepare([prepared]))[prepared.uid])
+    leftover = node.cdi_dir / f".{node.specs.path_for(new_ref().uid).stem}.x1y2z3.tmp"
+    leftover.write_text('{"half": ')
+
+    await node.started()
+
+    assert not leftover.exists()
+    assert node.spec_files() == {node.specs.path_for(prepared.uid).name}
+
+
+async def test_a_control_node_that_appears_after_start_reaches_new_specs(node: Node) -> None:
+    inventory = node.backend.inventory()
+    uvm = next(n for n in inventory.control_nodes if n.path == "/dev/nvidia-uvm")
+    # At start nvidia-uvm is not loaded yet (it loads lazily); the inventory sees it later.
+    current = {
+        "inventory": dataclasses.replace(
+            inventory, control_nodes=tuple(n for n in inventory.control_nodes if n is not uvm)
+        )
+    }
+    preparer = await node.started(
+        inventory=lambda: current["inventory"],
+        common_edits=common_edits(current["inventory"], None),
+    )
+    first, second = new_ref(), new_ref()
+    node.allocate(first, "gpu-0")
+    await preparer.prepare([first])
+    current["inventory"] = inventory  # nvidia-uvm has loaded
+    node.allocate(second, "gpu-1")
+    await preparer.prepare([second])
+
+    def control_paths(ref: ClaimRef) -> list[str]:
+        spec = json.loads(node.specs.path_for(ref.uid).read_text())
+        return [n["path"] for n in spec["containerEdits"]["deviceNodes"]]
+
+    assert "/dev/nvidia-uvm" not in control_paths(first)
+    assert "/dev/nvidia-uvm" in control_paths(second)

@@ -1,0 +1,127 @@
+"""What the daemon checks before it serves: everything a user can get wrong, said in one line.
+
+Settings whose value alone is wrong are refused by :class:`~dra_driver.settings.Settings`.
+Here are the ones only the host can judge: whether a socket path fits, a directory takes
+files, a kubeconfig parses, an address can be listened on, a listed GPU exists. Each raises
+:class:`~dra_driver.errors.StartupError` naming the setting by flag and environment variable;
+``dra_driver.cli.main`` prints it. They run before the daemon logs, opens or serves anything,
+so the error is the only line a failed start leaves (the GPU check needs the GPUs read first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+
+from dra_driver import kube
+from dra_driver.devices.types import Inventory
+from dra_driver.errors import StartupError
+from dra_driver.http import StatusServer
+from dra_driver.kubelet.sockets import KubeletSocketError, check_socket_path, socket_paths
+from dra_driver.node.checkpoint import read_boot_id
+from dra_driver.settings import Settings, partition_gpus
+
+
+def check_before_starting(settings: Settings) -> None:
+    """The checks that need neither the GPUs nor the event loop, cheapest first."""
+    check_sockets(settings)
+    read_boot_id(settings.boot_id_file)  # the preparer reads it again; a missing one stops us here
+    check_writable_dir(settings.state_dir, "--data-dir / DRA_DATA_DIR (default <plugins-dir>/<driver-name>)")
+    check_writable_dir(settings.cdi_dir, "--cdi-dir / DRA_CDI_DIR")
+
+
+def check_sockets(settings: Settings) -> None:
+    """Refuse socket paths the kernel cannot bind."""
+    paths = socket_paths(
+        settings.driver_name, settings.plugins_dir, settings.registry_dir, settings.pod_uid or None
+    )
+    try:
+        for path in dataclasses.astuple(paths):
+            check_socket_path(path)
+    except KubeletSocketError as err:
+        raise StartupError(
+            f"{err} (--plugins-dir / DRA_PLUGINS_DIR, --registry-dir / DRA_REGISTRY_DIR)"
+        ) from err
+
+
+def check_writable_dir(directory: Path, setting: str) -> None:
+    """Create ``directory`` if needed and prove that files can be created in it."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".dra-driver-probe-", suffix=".tmp"):
+            pass
+    except OSError as err:
+        # mkdir says "File exists" for a file in the way; say what is wrong with it instead.
+        problem = "not a directory" if isinstance(err, FileExistsError) else err.strerror or str(err)
+        raise StartupError(
+            f"cannot write to {directory} ({setting}): {problem}; point the setting at a "
+            "writable directory, or make this one writable for the plugin"
+        ) from err
+
+
+async def load_kube_configuration(kubeconfig: Path | None, configuration: kube.Configuration) -> None:
+    """Fill ``configuration`` from ``kubeconfig``, or from the pod's service account when it is None."""
+    if kubeconfig is not None:
+        await _load_kubeconfig(kubeconfig, configuration)
+        return
+    try:
+        kube.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+    except kube.ConfigException as err:
+        outside = "KUBERNETES_SERVICE_HOST" not in os.environ
+        raise StartupError(
+            "no --kubeconfig / DRA_KUBECONFIG is set and this is not a pod (KUBERNETES_SERVICE_HOST "
+            "is unset): set it to a kubeconfig file, e.g. --kubeconfig ~/.kube/config"
+            if outside
+            else f"cannot use the pod's service account: {err}; mount its token "
+            "(automountServiceAccountToken), or set --kubeconfig / DRA_KUBECONFIG"
+        ) from err
+
+
+async def _load_kubeconfig(path: Path, configuration: kube.Configuration) -> None:
+    where = f"kubeconfig {path} (--kubeconfig / DRA_KUBECONFIG)"
+    try:
+        with path.open("rb"):  # the client reports a missing file as "Expected key current-context"
+            pass
+    except OSError as err:
+        raise StartupError(f"cannot read {where}: {err.strerror}; set it to a readable kubeconfig") from err
+    try:
+        await kube.load_kube_config(  # type: ignore[no-untyped-call]
+            config_file=str(path), client_configuration=configuration
+        )
+    except Exception as err:
+        # The client's parser lets through whatever a malformed file causes (TypeError, yaml
+        # errors, binascii.Error, ConfigException); each means the same to the user.
+        raise StartupError(
+            f"{where} is not a usable kubeconfig: {err}; check it with `kubectl --kubeconfig {path} version`"
+        ) from err
+    if not configuration.host:
+        raise StartupError(f"{where} names no API server: its current context's cluster has no server")
+
+
+async def start_status_server(status: StatusServer, address: str) -> None:
+    """Listen for probes and metrics; StartupError when this host cannot listen at ``address``."""
+    try:
+        await status.start()
+    except OSError as err:  # socket.gaierror (an unknown host name) is one too
+        await status.stop()
+        raise StartupError(
+            f"cannot listen on --http-address / DRA_HTTP_ADDRESS {address}: {err.strerror or err}; use an "
+            "address of this host and a free port, e.g. 0.0.0.0:8080, or an empty value to disable it"
+        ) from err
+
+
+def check_mig_partitions(settings: Settings, inventory: Inventory) -> None:
+    """Refuse a ``--mig-partitions`` list naming a GPU the node lacks: a typo would silently offer none."""
+    if settings.mig_partitions in {"all", "none"}:
+        return
+    known = {str(gpu.minor) for gpu in inventory.gpus} | {gpu.uuid for gpu in inventory.gpus}
+    missing = [gpu for gpu in partition_gpus(settings.mig_partitions) if gpu not in known]
+    if missing:
+        minors = ", ".join(str(gpu.minor) for gpu in sorted(inventory.gpus, key=lambda g: g.minor))
+        raise StartupError(
+            f"--mig-partitions / DRA_MIG_PARTITIONS names {', '.join(missing)}, which node "
+            f"{settings.node_name or '(unnamed)'} does not have; its GPUs are the minor numbers "
+            f"{minors or '(none)'} or their UUIDs (`dra-driver inventory` lists them); or use all or none"
+        )

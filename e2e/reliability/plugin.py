@@ -1,0 +1,274 @@
+"""One node's driver daemon for the fault suite, with the kubelet's side of its sockets.
+
+Unlike :class:`e2e.driver.DriverProcess` it can be SIGKILLed at any moment, started with a test
+crash point armed (:mod:`dra_driver.crashpoint`), and run as a second instance beside the first
+(``--pod-uid``, as in a rolling update). The kubelet's part is played by this process: it
+registers the plugin as the plugin watcher does and calls NodePrepareResources /
+NodeUnprepareResources itself, so that a run controls exactly when each call happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from bench.kubelet import register
+from dra_driver.cdi.store import SpecStore
+from dra_driver.crashpoint import ENV as CRASH_POINT_ENV
+from dra_driver.devices.simulated import SimulatedBackend
+from dra_driver.devices.types import MigDevice
+from dra_driver.kubelet.pb.dra.v1 import dra_pb2, dra_pb2_grpc
+from dra_driver.node import checkpoint as ckpt
+from dra_driver.node import checkpoint_log as ckpt_log
+from dra_driver.node.types import ClaimRef
+from dra_driver.settings import DEFAULT_DRIVER_NAME
+from e2e.cluster import processes
+from e2e.cluster.controlplane import free_ports
+from e2e.driver import DriverPaths
+
+DRIVER = DEFAULT_DRIVER_NAME
+PROFILE = "dgx-h100"
+CHECKPOINT_FILE = "checkpoint.json"
+CALL_TIMEOUT_S = 45.0  # the kubelet's deadline for one prepare or unprepare call
+START_TIMEOUT_S = 60.0
+
+
+class PluginDied(Exception):
+    """The daemon exited (or was killed) while the suite waited for it."""
+
+
+@dataclass
+class CallResult:
+    """One NodePrepareResources / NodeUnprepareResources call: per claim uid, None or the error."""
+
+    errors: dict[str, str | None] = field(default_factory=dict)
+    transport_error: str | None = None  # the call itself failed (daemon gone, deadline)
+
+    def ok(self, uid: str) -> bool:
+        return self.transport_error is None and uid in self.errors and self.errors[uid] is None
+
+
+class Plugin:
+    """``dra-driver kubelet-plugin`` on a simulated DGX H100 with every path under ``paths``."""
+
+    def __init__(
+        self,
+        *,
+        kubeconfig: Path,
+        node: str,
+        paths: DriverPaths,
+        log: Path,
+        pod_uid: str = "",
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self.node = node
+        self.paths = paths
+        self.log = log
+        self.pod_uid = pod_uid
+        self._kubeconfig = kubeconfig
+        self._extra_args = tuple(extra_args)
+        self._child: subprocess.Popen[bytes] | None = None
+        self._record: processes.ProcessRecord | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: dra_pb2_grpc.DRAPluginStub | None = None
+        self.http_port = 0
+        self.endpoint: Path | None = None  # the DRA socket, as the registration names it
+
+    @property
+    def registration_socket(self) -> Path:
+        name = f"{DRIVER}-{self.pod_uid}-reg.sock" if self.pod_uid else f"{DRIVER}-reg.sock"
+        return self.paths.registry / name
+
+    @property
+    def pid(self) -> int | None:
+        return self._child.pid if self._child is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._child is not None and self._child.poll() is None
+
+    async def start(self, crash_point: str | None = None) -> None:
+        """Spawn, register as the kubelet would, and wait for /readyz (slices published).
+
+        Raises :class:`PluginDied` when the process exits first (a crash point reached at start-up).
+        """
+        await self.close_channel()
+        self.paths.create()
+        self.registration_socket.unlink(missing_ok=True)  # a SIGKILLed run leaves its socket behind
+        (self.http_port,) = free_ports(1)
+        env = dict(os.environ)
+        env.pop(CRASH_POINT_ENV, None)
+        if crash_point:
+            env[CRASH_POINT_ENV] = crash_point
+        self._child, self._record = processes.spawn(
+            "dra-driver", self._argv(), self.log, env=env, die_with_parent=True
+        )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        await self._until(self.registration_socket.exists, deadline)
+        self.endpoint = await register(self.registration_socket, DRIVER)
+        self._channel = grpc.aio.insecure_channel(f"unix:{self.endpoint}")
+        self._stub = dra_pb2_grpc.DRAPluginStub(self._channel)
+        await self._until_ready(deadline)
+
+    def kill(self) -> None:
+        """SIGKILL, as a node's OOM killer or `kill -9` would; returns once it is gone."""
+        if self._child is not None and self._child.poll() is None:
+            os.kill(self._child.pid, signal.SIGKILL)
+        self.reap()
+
+    def reap(self) -> int | None:
+        """Wait for a daemon that is exiting by itself (a crash point); its status."""
+        status = self._child.wait() if self._child is not None else None
+        self._child = self._record = None
+        return status
+
+    async def stop(self) -> None:
+        """SIGTERM (a clean shutdown)."""
+        await self.close_channel()
+        if self._record is not None and self._child is not None:
+            await asyncio.to_thread(processes.stop, self._record, grace_seconds=20.0)
+            self._child.wait()
+        self._child = self._record = None
+
+    async def close_channel(self) -> None:
+        if self._channel is not None:
+            await self._channel.close(grace=None)
+        self._channel = self._stub = None
+
+    async def prepare(self, claims: Sequence[ClaimRef], deadline: float = CALL_TIMEOUT_S) -> CallResult:
+        request = dra_pb2.NodePrepareResourcesRequest(claims=[_claim(ref) for ref in claims])
+        return await self._call("NodePrepareResources", request, deadline)
+
+    async def unprepare(self, claims: Sequence[ClaimRef], deadline: float = CALL_TIMEOUT_S) -> CallResult:
+        request = dra_pb2.NodeUnprepareResourcesRequest(claims=[_claim(ref) for ref in claims])
+        return await self._call("NodeUnprepareResources", request, deadline)
+
+    async def raw_call(self, method: str, request: object, deadline: float = CALL_TIMEOUT_S) -> object:
+        """Any request message, answered or raising grpc.aio.AioRpcError (for the fuzzer)."""
+        if self._stub is None:
+            raise PluginDied("the plugin is not started")
+        return await getattr(self._stub, method)(request, timeout=deadline)
+
+    async def _call(self, method: str, request: object, deadline: float) -> CallResult:
+        try:
+            response = await self.raw_call(method, request, deadline)
+        except grpc.aio.AioRpcError as error:
+            return CallResult(transport_error=f"{error.code().name}: {error.details()}")
+        except PluginDied as error:
+            return CallResult(transport_error=str(error))
+        answers = response.claims  # type: ignore[attr-defined]
+        return CallResult(errors={uid: (answer.error or None) for uid, answer in answers.items()})
+
+    def tail(self, lines: int = 30) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:]) + f"\n(full log: {self.log})"
+
+    async def _until(self, condition: object, deadline: float) -> None:
+        while not condition():  # type: ignore[operator]
+            if not self.running:
+                status = self.reap()
+                raise PluginDied(f"the daemon exited with status {status} while starting")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the daemon did not start within {START_TIMEOUT_S:.0f} s:\n{self.tail()}")
+            await asyncio.sleep(0.01)
+
+    async def _until_ready(self, deadline: float) -> None:
+        import urllib.request
+
+        def ready() -> bool:
+            try:
+                url = f"http://127.0.0.1:{self.http_port}/readyz"
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    return bool(response.status == 200)
+            except OSError:
+                return False
+
+        while not await asyncio.to_thread(ready):
+            await self._until(lambda: True, deadline)
+            await asyncio.sleep(0.02)
+
+    def _argv(self) -> list[str]:
+        paths = self.paths
+        pod_uid = [f"--pod-uid={self.pod_uid}"] if self.pod_uid else []
+        return [
+            sys.executable, "-m", "dra_driver", "kubelet-plugin",
+            f"--node-name={self.node}",
+            f"--simulate={PROFILE}",
+            "--mig-partitions=all",
+            f"--kubeconfig={self._kubeconfig}",
+            f"--plugins-dir={paths.plugins}",
+            f"--registry-dir={paths.registry}",
+            f"--cdi-dir={paths.cdi}",
+            f"--data-dir={paths.data}",
+            f"--driver-root={paths.driver_root}",
+            f"--boot-id-file={paths.boot_id_file}",
+            f"--http-address=127.0.0.1:{self.http_port}",
+            "--log-format=console",
+            *pod_uid,
+            *self._extra_args,
+        ]  # fmt: skip
+
+
+def _claim(ref: ClaimRef) -> dra_pb2.Claim:
+    return dra_pb2.Claim(namespace=ref.namespace, name=ref.name, uid=ref.uid)
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """What is on the node's disk and GPUs, read from outside the daemon."""
+
+    specs: frozenset[str]  # claim uids with a CDI spec
+    records: dict[str, ckpt.ClaimRecord]  # the checkpoint's claims
+    mig_devices: tuple[MigDevice, ...]  # alive on the simulated GPUs
+    temp_files: tuple[str, ...]  # the driver's leftover .tmp files in the data and CDI directories
+
+    @classmethod
+    def read(cls, paths: DriverPaths, node: str) -> NodeState:
+        specs = frozenset(SpecStore(paths.cdi, DRIVER).claim_uids())
+        checkpoint_file = paths.data / CHECKPOINT_FILE
+        records = ckpt_log.read_state(checkpoint_file).claims if checkpoint_file.exists() else {}
+        backend = SimulatedBackend(PROFILE, node, paths.data)
+        try:
+            migs = tuple(m for gpu in backend.inventory().gpus for m in gpu.mig_devices)
+        finally:
+            backend.close()
+        # The driver's own temporary files are hidden (the checkpoint's, the CDI specs'); the
+        # simulator's state file stands in for hardware and is not counted.
+        temps = tuple(
+            str(p)
+            for d in (paths.data, paths.cdi)
+            if d.exists()
+            for p in d.iterdir()
+            if p.name.startswith(".") and p.name.endswith(".tmp")
+        )
+        return cls(specs=specs, records=dict(records), mig_devices=migs, temp_files=temps)
+
+    def double_allocations(self) -> list[str]:
+        """Devices that two claims' records hold at once: the same device (or MIG device), or a full GPU
+        and a MIG device on it. Admin access shares a device legally, and so do a claim's own results."""
+        holders: dict[str, set[str]] = {}  # device name or MIG uuid -> claims
+        mig_parents: dict[str, set[str]] = {}  # full GPU -> claims holding a MIG device created on it
+        for uid, record in self.records.items():
+            for device in record.devices:
+                if device.admin_access:
+                    continue
+                holders.setdefault(device.device, set()).add(uid)
+                if device.mig is not None:
+                    mig_parents.setdefault(device.mig.parent_device, set()).add(uid)
+                    if device.mig.uuid:
+                        holders.setdefault(device.mig.uuid, set()).add(uid)
+        found = [f"{name}: {sorted(uids)}" for name, uids in holders.items() if len(uids) > 1]
+        for gpu, mig_holders in mig_parents.items():
+            whole = holders.get(gpu, set()) - mig_holders
+            if whole:
+                found.append(f"{gpu} whole for {sorted(whole)} and MIG for {sorted(mig_holders)}")
+        return sorted(found)

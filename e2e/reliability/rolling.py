@@ -1,0 +1,109 @@
+"""Two plugin instances on one node, as during a rolling update of the DaemonSet: both serve the
+kubelet at once (sockets of their own, ``--pod-uid``) and share the checkpoint, CDI directory and GPUs.
+
+Each round prepares a pod's worth of claims, each through a randomly chosen instance, all at
+once, then unprepares each through a randomly chosen instance (not necessarily the one that
+prepared it: the kubelet moves to the new plugin as soon as it registers). Two claims of each
+round are allocated the *same* device and sent to different instances -- something the scheduler
+never does, and exactly what the checkpoint's cross-instance conflict rules must refuse -- and two
+get MIG devices at different placements of one GPU, which both instances must create side by side.
+
+Figures: lost updates (a claim answered prepared without its record or spec, or answered
+unprepared with either left), devices held twice (both claims of a conflicting pair prepared, or
+one device in two records), and claims that failed although nothing conflicted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from dra_driver.node.types import ClaimRef
+from e2e.reliability.env import Env, SimNode
+from e2e.reliability.plugin import CallResult, NodeState, Plugin
+
+
+@dataclass
+class RollingFigures:
+    rounds: int = 0
+    claims: int = 0
+    lost_updates: int = 0
+    double_allocations: int = 0
+    unexpected_failures: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "rolling.rounds": self.rounds,
+            "rolling.claims": self.claims,
+            "rolling.lost_updates": self.lost_updates,
+            "rolling.double_allocations": self.double_allocations,
+            "rolling.unexpected_failures": self.unexpected_failures,
+            "rolling.problems": self.problems[:20],
+        }
+
+
+def _claims(node: SimNode, devices: list[str]) -> list[ClaimRef]:
+    return [node.claim(device) for device in devices]
+
+
+async def run(env: Env, rounds: int, seed: int) -> RollingFigures:
+    rng = random.Random(seed)
+    figures = RollingFigures()
+    node = env.node("rel-rolling")
+    old, new = node.plugin(pod_uid="old-pod"), node.plugin(pod_uid="new-pod")
+    await old.start()
+    await new.start()
+    instances = (old, new)
+    try:
+        for number in range(rounds):
+            label = f"round {number}"
+            gpus = rng.sample(range(7), 5)
+            shared = f"gpu-{gpus[0]}"
+            devices = [shared, shared, *(f"gpu-{g}" for g in gpus[1:])]
+            a, b = rng.sample(range(7), 2)
+            devices += [f"gpu-7-mig-1g10gb-19-{a}", f"gpu-7-mig-1g10gb-19-{b}"]
+            claims = await asyncio.to_thread(_claims, node, devices)
+            figures.claims += len(claims)
+            via = [rng.choice(instances) for _ in claims]
+            via[1] = new if via[0] is old else old  # the conflicting pair: one per instance
+
+            prepared = await asyncio.gather(*(p.prepare([c]) for p, c in zip(via, claims, strict=True)))
+            ok = [r.ok(c.uid) for r, c in zip(prepared, claims, strict=True)]
+            if ok[0] and ok[1]:
+                figures.double_allocations += 1
+                figures.problems.append(f"{label}: {shared} prepared for two claims by two instances")
+            if not (ok[0] or ok[1]):
+                figures.unexpected_failures += 1
+                figures.problems.append(f"{label}: neither claim of {shared} prepared: {prepared[:2]}")
+            for claim, result, success in list(zip(claims, prepared, ok, strict=True))[2:]:
+                if not success:
+                    figures.unexpected_failures += 1
+                    figures.problems.append(f"{label}: {claim.name} failed: {result}")
+            state = NodeState.read(old.paths, node.name)
+            for claim, success in zip(claims, ok, strict=True):
+                if success and (claim.uid not in state.specs or claim.uid not in state.records):
+                    figures.lost_updates += 1
+                    figures.problems.append(f"{label}: prepared {claim.name} has no record or spec")
+            doubles = state.double_allocations()
+            figures.double_allocations += len(doubles)
+            figures.problems.extend(f"{label}: {d}" for d in doubles)
+
+            undo: list[tuple[Plugin, ClaimRef]] = [(rng.choice(instances), c) for c in claims]
+            results: list[CallResult] = await asyncio.gather(*(p.unprepare([c]) for p, c in undo))
+            for (_, claim), result in zip(undo, results, strict=True):
+                if not result.ok(claim.uid):
+                    figures.unexpected_failures += 1
+                    figures.problems.append(f"{label}: unprepare of {claim.name} failed: {result}")
+            state = NodeState.read(old.paths, node.name)
+            left = state.specs | set(state.records)
+            if left or state.mig_devices:
+                figures.lost_updates += len(left) + len(state.mig_devices)
+                figures.problems.append(f"{label}: after unprepare, left {sorted(left)} {state.mig_devices}")
+            figures.rounds += 1
+    finally:
+        await old.stop()
+        await new.stop()
+    return figures

@@ -1,0 +1,63 @@
+"""What every container gets from the host: the driver's files by capability, and nvidia-cdi-hook."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from dra_driver.app import edits_for
+from dra_driver.devices.types import Inventory
+from dra_driver.settings import Settings
+
+VERSION = "580.95.05"
+LIB = "usr/lib64"  # a RHEL host: the hook's ldcache update makes Debian images find the libraries here
+INVENTORY = Inventory(gpus=(), driver_version=VERSION, cuda_driver_version=(13, 0))
+
+
+def _driver_root(root: Path, *extra: str) -> Path:
+    for relative in (f"{LIB}/libcuda.so.{VERSION}", f"{LIB}/libnvidia-ml.so.{VERSION}", *extra):
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_bytes(b"\x7fELF")
+    return root
+
+
+def _settings(**values: object) -> Settings:
+    return Settings(node_name="n1", **values)  # type: ignore[arg-type]
+
+
+def test_the_hook_in_the_driver_root_is_used_by_its_host_path(tmp_path: Path) -> None:
+    seen_at = _driver_root(tmp_path / "driver-root", "usr/bin/nvidia-cdi-hook")
+    settings = _settings(driver_root=Path("/run/nvidia/driver"), driver_root_mount=seen_at)
+    hooks = edits_for(settings, INVENTORY).hooks
+    assert [hook.path for hook in hooks] == ["/run/nvidia/driver/usr/bin/nvidia-cdi-hook"] * 2
+    assert hooks[-1].args == ("nvidia-cdi-hook", "update-ldcache", "--folder", f"/{LIB}")
+
+
+def test_a_configured_hook_path_wins_and_without_one_there_are_no_hooks(tmp_path: Path) -> None:
+    root = _driver_root(tmp_path / "driver-root")
+    assert edits_for(_settings(driver_root=root), INVENTORY).hooks == ()
+    configured = _settings(driver_root=root, nvidia_cdi_hook_path="/usr/local/nvidia/toolkit/nvidia-cdi-hook")
+    assert {h.path for h in edits_for(configured, INVENTORY).hooks} == {
+        "/usr/local/nvidia/toolkit/nvidia-cdi-hook"
+    }
+
+
+def test_video_libraries_are_mounted_by_setting(tmp_path: Path) -> None:
+    root = _driver_root(tmp_path / "driver-root", f"{LIB}/libnvcuvid.so.{VERSION}")
+
+    def mounted(settings: Settings) -> set[str]:
+        return {Path(m.container_path).name for m in edits_for(settings, INVENTORY).mounts}
+
+    assert f"libnvcuvid.so.{VERSION}" not in mounted(_settings(driver_root=root))
+    assert f"libnvcuvid.so.{VERSION}" in mounted(
+        _settings(driver_root=root, driver_capabilities="compute,video")
+    )
+
+
+def test_unknown_capabilities_and_relative_hook_paths_are_refused() -> None:
+    with pytest.raises(ValidationError, match="unknown driver capabilities display"):
+        _settings(driver_capabilities="display")
+    with pytest.raises(ValidationError, match="not an absolute path"):
+        _settings(nvidia_cdi_hook_path="bin/nvidia-cdi-hook")
