@@ -13,13 +13,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kubernetes.aio import client as kube_client
-from kubernetes.aio import config as kube_config
-
+from dra_driver import kube
 from dra_driver.computedomain.api import Names
 from dra_driver.errors import EXIT_USAGE, StartupError
 from dra_driver.log import configure
 from dra_driver.settings import DEFAULT_DRIVER_NAME, ENV_PREFIX, LogFormat
+from dra_driver.startup import load_kube_configuration
 
 _COMMON: list[tuple[str, Any, str]] = [
     ("driver_name", DEFAULT_DRIVER_NAME, "the GPU driver's name; every ComputeDomain name derives from it"),
@@ -63,19 +62,11 @@ def _add_flags(parser: argparse.ArgumentParser, flags: list[tuple[str, Any, str]
         )
 
 
-async def _api(kubeconfig: str) -> kube_client.ApiClient:
-    configuration = kube_client.Configuration()
-    try:
-        if kubeconfig:
-            await kube_config.load_kube_config(  # type: ignore[no-untyped-call]
-                config_file=kubeconfig, client_configuration=configuration
-            )
-        else:
-            kube_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-    except Exception as error:  # the loaders raise many types for one meaning
-        where = f"kubeconfig {kubeconfig}" if kubeconfig else "the in-cluster service account"
-        raise StartupError(f"cannot load {where}: {error or type(error).__name__}") from None
-    return kube_client.ApiClient(configuration)
+async def _api(kubeconfig: str) -> kube.ApiClient:
+    """The API client, as the node daemon makes it: the kubeconfig given, else the pod's account."""
+    configuration = kube.Configuration()
+    await load_kube_configuration(Path(kubeconfig) if kubeconfig else None, configuration)
+    return kube.ApiClient(configuration)
 
 
 def _setup(args: argparse.Namespace) -> None:

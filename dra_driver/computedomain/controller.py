@@ -31,7 +31,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import structlog
-from kubernetes.aio.client import ApiClient
 
 from dra_driver.computedomain.api import (
     PLURAL,
@@ -55,6 +54,7 @@ from dra_driver.computedomain.objects import (
     overall_status,
 )
 from dra_driver.computedomain.workqueue import WorkQueue
+from dra_driver.kube import ApiClient
 from dra_driver.resources.slice_api import ApiError
 
 log = structlog.get_logger(__name__)

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
-from kubernetes.aio.client import ApiClient
 
 from dra_driver.computedomain.api import PLURAL, DomainStatus, Names
 from dra_driver.computedomain.kube import Json, Kube
 from dra_driver.computedomain.node import DAEMON_CONFIG, DAEMON_CONFIG_DIR, IMEX_SERVER_PORT, NODES_CONFIG
+from dra_driver.kube import ApiClient
 from dra_driver.resources.slice_api import ApiError
 
 log = structlog.get_logger(__name__)

@@ -14,8 +14,8 @@ from typing import Any
 
 import aiohttp
 import structlog
-from kubernetes.aio.client import ApiClient
 
+from dra_driver.kube import ApiClient
 from dra_driver.resources.slice_api import ApiError
 
 log = structlog.get_logger(__name__)

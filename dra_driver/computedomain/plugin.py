@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from kubernetes.aio.client import ApiClient
 
 from dra_driver.cdi.store import SpecStore
 from dra_driver.computedomain.api import (
@@ -28,6 +27,7 @@ from dra_driver.computedomain.kube import Kube
 from dra_driver.computedomain.node import ComputeDomainPreparer, compute_domain_slices
 from dra_driver.devices.fabric import node_clique
 from dra_driver.devices.types import Inventory
+from dra_driver.kube import ApiClient
 from dra_driver.kubelet.server import KubeletPlugin
 from dra_driver.kubelet.sockets import KubeletSocketError
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher

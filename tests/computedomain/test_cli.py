@@ -66,4 +66,6 @@ def test_the_daemon_with_an_unreadable_kubeconfig_says_so(
         )
         == 1
     )
-    assert f"cannot load kubeconfig {tmp_path / 'missing'}" in _one_line(capsys)
+    assert f"cannot read kubeconfig {tmp_path / 'missing'} (--kubeconfig / DRA_KUBECONFIG)" in _one_line(
+        capsys
+    )
