@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from e2e.cluster import ClusterInfo, RestClient
+from e2e.cluster import ClusterInfo, RestClient, processes
 from e2e.cluster.binaries import ControlPlaneBinaries
 from e2e.cluster.controlplane import free_ports
 from e2e.daemon import Daemon
@@ -129,12 +129,10 @@ class DaemonPodRunner:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stops the daemons (SIGTERM, as the kubelet stops a container) and the runner."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=30)
-        with self._lock:
-            for node in list(self._running):
-                self._end(node)
+            self._thread.join(timeout=60)
 
     def kill(self, node: str) -> None:
         """SIGKILL the daemon of `node`, as a crash would; the runner starts it again."""
@@ -156,6 +154,11 @@ class DaemonPodRunner:
             except Exception as error:  # the API server busy: look again
                 print(f"daemon-pod-runner: {error}", file=sys.stderr)
             self._stop.wait(0.3)
+        # In this thread: the daemons die with the thread that started them (PR_SET_PDEATHSIG), so
+        # they get their SIGTERM first.
+        with self._lock:
+            for node in list(self._running):
+                self._end(node)
 
     def _sync(self) -> None:
         pods = self.rest.request(
@@ -213,17 +216,14 @@ class DaemonPodRunner:
         )
 
     def _spawn(self, node: str, env: dict[str, str], config_dir: str) -> subprocess.Popen[bytes]:
-        log = (self.log_dir / f"imex-daemon-{node}.log").open("ab")
-        try:
-            return subprocess.Popen(
-                [sys.executable, "-m", "dra_driver", "compute-domain-daemon"],
-                env={**os.environ, **env},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        finally:
-            log.close()
+        child, _ = processes.spawn(
+            f"imex-daemon[{node}]",
+            [sys.executable, "-m", "dra_driver", "compute-domain-daemon"],
+            self.log_dir / f"imex-daemon-{node}.log",
+            die_with_parent=True,  # a test run that dies leaves no daemon behind
+            env={**os.environ, **env},
+        )
+        return child
 
     def _end(self, node: str) -> None:
         run = self._running.pop(node)
