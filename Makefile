@@ -5,7 +5,7 @@ PYTHON ?= .venv/bin/python
 HELM = $$(hack/build-kube.sh helm | sed -n 's/^HELM_BIN_DIR=//p')/helm
 CHART = charts/dra-driver-gpu
 
-.PHONY: help venv demo test lint unit e2e bench reliability gen gen-check kube-build mock-nvml cluster-up cluster-down cluster-status
+.PHONY: help venv demo demo-real test lint unit e2e bench reliability gen gen-check kube-build mock-nvml cluster-up cluster-down cluster-status image deps
 
 ## help: list the targets
 help:
@@ -35,8 +35,10 @@ lint: venv
 unit: venv kube-build mock-nvml
 	$(PYTHON) -m pytest tests
 
-## e2e: integration and end-to-end tests against the real control plane and the kubelet harness
-e2e: venv kube-build mock-nvml
+## e2e: integration and end-to-end tests against the real control plane and the kubelet harness, and
+## (e2e/real_node, root) the chart's image on a real kubelet + containerd + runc
+e2e: venv kube-build mock-nvml image
+	hack/build-kube.sh kubelet containerd >/dev/null
 	$(PYTHON) -m pytest e2e
 
 ## bench: prepare latency, throughput, start-up and RSS; writes _output/bench.json
@@ -70,9 +72,25 @@ kube-build:
 mock-nvml:
 	hack/build-mock-nvml.sh >/dev/null
 
+## deps: install the Debian packages the real node and `make image` need (only those missing; root)
+deps:
+	hack/install-deps.sh
+
+## image: the driver's image, a pause and a workload image as OCI archives in _output/images (root;
+## no Docker, no registry: umoci + mmdebstrap; the Debian part is cached in ~/.cache/dra-driver)
+image: venv deps
+	hack/build-image.sh
+
 ## cluster-up: start a local control plane in the background; admin kubeconfig in _output/kubeconfig
+## (NODE=real: also a real node, kubelet + containerd + runc, as root; needs `make image` first)
 cluster-up: venv kube-build
-	$(PYTHON) -m e2e.cluster up
+	$(PYTHON) -m e2e.cluster up $(if $(NODE),--node $(NODE))
+
+## demo-real: a real node (kubelet + containerd + runc, root), the chart installed with the built
+## image, and real containers printing their GPU view
+demo-real: venv kube-build image
+	hack/build-kube.sh kubelet containerd >/dev/null
+	$(PYTHON) hack/demo_real.py
 
 ## cluster-down: stop every process cluster-up started
 cluster-down:

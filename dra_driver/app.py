@@ -96,7 +96,13 @@ def desired_slices(
     """
     policy = partition_policy(settings.mig_partitions)
     return split_pool(
-        build_devices(inventory, partition=policy, owned_mig_uuids=owned_mig_uuids, taints=taints)
+        build_devices(
+            inventory,
+            partition=policy,
+            owned_mig_uuids=owned_mig_uuids,
+            taints=taints,
+            maintenance=settings.maintenance_devices,
+        )
     )
 
 

@@ -23,11 +23,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+import structlog
 import yaml
 
 from dra_driver import __version__
 from dra_driver.app import desired_slices, run_plugin
-from dra_driver.cli_settings import add_settings_flags, requested_log_format, settings_from
+from dra_driver.cli_settings import (
+    add_settings_flags,
+    requested_log_format,
+    settings_from,
+    unknown_env_settings,
+)
 from dra_driver.computedomain.cli import add_commands as add_compute_domain_commands
 from dra_driver.devices.backend import DeviceError
 from dra_driver.devices.backends import open_backend
@@ -41,6 +47,9 @@ from dra_driver.node.checkpoint import BootIdUnavailable, CheckpointFromNewerDri
 from dra_driver.resources.pool import PoolOwner, plan_pool
 from dra_driver.settings import xid_numbers
 from dra_driver.startup import check_mig_partitions
+
+log = structlog.get_logger("dra_driver.cli")
+_SETTINGS_DOC = "dra-driver kubelet-plugin --help, or docs/configuration.md"
 
 # The settings the offline commands honour; the daemon takes them all.
 _INVENTORY_SETTINGS = [
@@ -170,6 +179,8 @@ def _kubelet_plugin(args: argparse.Namespace) -> int:
             "--node-name / DRA_NODE_NAME is required (the downward API's spec.nodeName)",
             exit_code=EXIT_USAGE,
         )
+    for name in unknown_env_settings():
+        log.warning("environment variable names no setting; ignored", variable=name, settings=_SETTINGS_DOC)
     asyncio.run(run_plugin(settings))
     return 0
 

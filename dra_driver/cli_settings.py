@@ -62,6 +62,12 @@ def _describe(problem: Any) -> str:
     return f"invalid setting {flag_name(field)} / {env_name(field)} = {problem.get('input')!r}: {message}"
 
 
+def unknown_env_settings(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """``DRA_*`` variables that name no setting: a typo such as DRA_MIG_PARTITION is otherwise ignored."""
+    known = {env_name(name) for name in Settings.model_fields}
+    return sorted(name for name in environ if name.startswith(ENV_PREFIX) and name not in known)
+
+
 def requested_log_format(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> LogFormat:
     """The log format asked for, read leniently: errors must be reported before settings are valid.
 

@@ -77,3 +77,4 @@ def configure(fmt: LogFormat, level: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    logging.captureWarnings(True)  # a library's warning is a log event too, not a stray stderr line

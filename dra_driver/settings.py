@@ -75,7 +75,7 @@ class Settings(BaseSettings):
     simulate_fabric: Annotated[
         str,
         Field(
-            description="NVLink fabric of simulated gb200-nvl72 GPUs: <cluster-uuid>/<clique-id> or "
+            description="NVLink fabric of simulated gb200-tray GPUs: <cluster-uuid>/<clique-id> or "
             "<clique-id>; nodes with the same value form one clique. Empty: the default clique."
         ),
     ] = ""
@@ -152,6 +152,13 @@ class Settings(BaseSettings):
             "or a comma-separated list of GPU UUIDs or minor numbers."
         ),
     ] = "all"
+    maintenance_devices: Annotated[
+        bool,
+        Field(
+            description="Publish a counter-free gpu-<minor>-maintenance device per GPU that only "
+            "admin-access claims may get (kubernetes/kubernetes#140729); false once the scheduler is fixed."
+        ),
+    ] = True
     inventory_refresh_seconds: Annotated[
         float,
         Field(

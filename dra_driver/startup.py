@@ -19,21 +19,30 @@ from dra_driver import kube
 from dra_driver.devices.types import Inventory
 from dra_driver.errors import StartupError
 from dra_driver.http import StatusServer
-from dra_driver.kubelet.sockets import KubeletSocketError, check_socket_path, socket_paths
+from dra_driver.kubelet.sockets import (
+    DIRECTORY_MODE,
+    KubeletSocketError,
+    SocketPaths,
+    check_socket_path,
+    socket_paths,
+)
 from dra_driver.node.checkpoint import read_boot_id
 from dra_driver.settings import Settings, partition_gpus
 
 
 def check_before_starting(settings: Settings) -> None:
     """The checks that need neither the GPUs nor the event loop, cheapest first."""
-    check_sockets(settings)
+    paths = check_sockets(settings)
     read_boot_id(settings.boot_id_file)  # the preparer reads it again; a missing one stops us here
     check_writable_dir(settings.state_dir, "--data-dir / DRA_DATA_DIR (default <plugins-dir>/<driver-name>)")
     check_writable_dir(settings.cdi_dir, "--cdi-dir / DRA_CDI_DIR")
+    # Probe files start with a dot: the kubelet's plugin watcher ignores those.
+    check_writable_dir(paths.dra.parent, "--plugins-dir / DRA_PLUGINS_DIR", mode=DIRECTORY_MODE)
+    check_writable_dir(paths.registration.parent, "--registry-dir / DRA_REGISTRY_DIR", mode=DIRECTORY_MODE)
 
 
-def check_sockets(settings: Settings) -> None:
-    """Refuse socket paths the kernel cannot bind."""
+def check_sockets(settings: Settings) -> SocketPaths:
+    """The plugin's socket paths; StartupError for one the kernel cannot bind."""
     paths = socket_paths(
         settings.driver_name, settings.plugins_dir, settings.registry_dir, settings.pod_uid or None
     )
@@ -44,12 +53,13 @@ def check_sockets(settings: Settings) -> None:
         raise StartupError(
             f"{err} (--plugins-dir / DRA_PLUGINS_DIR, --registry-dir / DRA_REGISTRY_DIR)"
         ) from err
+    return paths
 
 
-def check_writable_dir(directory: Path, setting: str) -> None:
-    """Create ``directory`` if needed and prove that files can be created in it."""
+def check_writable_dir(directory: Path, setting: str, *, mode: int = 0o777) -> None:
+    """Create ``directory`` (``mode`` less the umask) if needed and prove that files can be made in it."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(mode=mode, parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".dra-driver-probe-", suffix=".tmp"):
             pass
     except OSError as err:

@@ -101,10 +101,12 @@ class DriverProcess:
         profile: str = "dgx-h100",
         extra_args: Sequence[str] = (),
         mock_nvml: str | None = None,
+        driver_name: str = DRIVER_NAME,
     ) -> None:
         """``mock_nvml``: a machine of the mock libnvidia-ml.so.1 (e.g. ``dgxh100``) to run the NVML
         backend on, instead of the simulator's ``profile``."""
         self.node_name = node_name
+        self.driver_name = driver_name
         self.paths = paths
         self.profile = profile
         self.mock_nvml = mock_nvml
@@ -112,7 +114,7 @@ class DriverProcess:
         self._extra_args = tuple(extra_args)
         self._daemon = Daemon(f"dra-driver[{node_name}]", log)
         self._port: int | None = None
-        self.specs = SpecStore(paths.cdi, DRIVER_NAME)
+        self.specs = SpecStore(paths.cdi, driver_name)
 
     @property
     def daemon(self) -> Daemon:
@@ -211,6 +213,7 @@ class DriverProcess:
             "dra_driver",
             "kubelet-plugin",
             f"--node-name={self.node_name}",
+            f"--driver-name={self.driver_name}",
             *backend,
             f"--kubeconfig={self._kubeconfig}",
             f"--plugins-dir={paths.plugins}",

@@ -15,21 +15,24 @@ RESOURCE_V1 = "/apis/resource.k8s.io/v1"
 SLICES = f"{RESOURCE_V1}/resourceslices"
 
 
-def node_slices_query(node_name: str) -> dict[str, str]:
-    return {"fieldSelector": f"spec.nodeName={node_name},spec.driver={DRIVER_NAME}"}
+def node_slices_query(node_name: str, driver_name: str = DRIVER_NAME) -> dict[str, str]:
+    return {"fieldSelector": f"spec.nodeName={node_name},spec.driver={driver_name}"}
 
 
-def published_slices(rest: RestClient, node_name: str) -> list[JsonObject]:
+def published_slices(rest: RestClient, node_name: str, driver_name: str = DRIVER_NAME) -> list[JsonObject]:
     """Our driver's ResourceSlices of the node, as the API server stores them."""
-    items: list[JsonObject] = rest.request("GET", SLICES, query=node_slices_query(node_name))["items"]
+    query = node_slices_query(node_name, driver_name)
+    items: list[JsonObject] = rest.request("GET", SLICES, query=query)["items"]
     return items
 
 
-def published_devices(rest: RestClient, node_name: str) -> dict[str, JsonObject]:
+def published_devices(
+    rest: RestClient, node_name: str, driver_name: str = DRIVER_NAME
+) -> dict[str, JsonObject]:
     """The devices in the node's pool by name, as the scheduler sees them."""
     return {
         device["name"]: device
-        for item in published_slices(rest, node_name)
+        for item in published_slices(rest, node_name, driver_name)
         for device in item["spec"].get("devices") or []
     }
 
@@ -47,8 +50,10 @@ class GpuNode:
         profile: str = "dgx-h100",
         driver_args: Sequence[str] = (),
         mock_nvml: str | None = None,
+        driver_name: str = DRIVER_NAME,
     ) -> None:
         self.name = name
+        self.driver_name = driver_name
         self.rest = cluster.rest()
         registry = base_dir / "plugins_registry"
         self.harness = KubeletHarness(
@@ -68,6 +73,7 @@ class GpuNode:
             profile=profile,
             extra_args=driver_args,
             mock_nvml=mock_nvml,
+            driver_name=driver_name,
         )
 
     @property
@@ -94,7 +100,7 @@ class GpuNode:
         except ApiError as error:
             if error.status != 404:
                 raise
-        self.rest.request("DELETE", SLICES, query=node_slices_query(self.name))
+        self.rest.request("DELETE", SLICES, query=node_slices_query(self.name, self.driver_name))
 
     def wait_idle(self, timeout_seconds: float = 60.0) -> None:
         """Waits until no claim is prepared on the node any more: no CDI spec is left."""

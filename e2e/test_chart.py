@@ -386,9 +386,10 @@ def pod_environment(pod: JsonObject) -> dict[str, str]:
     (container,) = pod["spec"]["containers"]
     fields = {"spec.nodeName": pod["spec"]["nodeName"], "metadata.uid": pod["metadata"]["uid"]}
     return {
+        # The API server drops an empty value (omitempty): such an entry is the empty string.
         entry["name"]: fields[entry["valueFrom"]["fieldRef"]["fieldPath"]]
         if "valueFrom" in entry
-        else entry.get("value", "")  # the API server drops an empty value
+        else entry.get("value", "")
         for entry in container["env"]
     }
 

@@ -147,7 +147,7 @@ def rack(
                 kubelet_harness_binary,
                 base / name.removeprefix("cd-tray-"),
                 name,
-                profile="gb200-nvl72",
+                profile="gb200-tray",
                 driver_args=[f"--driver-name={DRIVER}", f"--simulate-fabric={CLUSTER_UUID}/{clique}"],
             )
             stops.append(node.remove)

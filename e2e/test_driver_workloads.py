@@ -113,7 +113,9 @@ def _with_parameters(objects: list[JsonObject], change: dict[str, Any]) -> list[
     [
         pytest.param({"timeslicing": {"interval": "Long"}}, "timeslicing", id="unknown-field"),
         pytest.param(
-            {"apiVersion": "resource.nvidia.com/v1beta1"}, "resource.nvidia.com/v1beta1", id="foreign-api"
+            {"apiVersion": "resource.nvidia.com/v1"},
+            "'resource.nvidia.com/v1' is not served",
+            id="foreign-api",
         ),
         pytest.param(
             {"sharing": {"strategy": "Exclusive", "timeSlicing": {"interval": "Long"}}},

@@ -3,13 +3,15 @@
 # outside the repository keyed by component and version -- and only when they are missing or stale.
 #
 # Usage: hack/build-kube.sh [COMPONENT...]
-#        hack/build-kube.sh --update-wrappers
+#        hack/build-kube.sh --update-wrappers [COMPONENT...]
 #
 # COMPONENT (default: all; harness only once hack/kube/cmd/kubelet-harness exists):
 #   kube     kube-apiserver, kube-scheduler, kube-controller-manager, kubectl   (k8s.io/kubernetes)
 #   harness  kubelet-harness, hack/kube/cmd/kubelet-harness built in the same wrapper module
 #   etcd     etcd                                                              (go.etcd.io/etcd/server/v3)
 #   helm     helm                                                              (helm.sh/helm/vN/cmd/helm)
+#   kubelet  kubelet, for the real node (NODE=real); not built by default        (k8s.io/kubernetes)
+#   containerd  containerd, containerd-shim-runc-v2, ctr; not built by default   (github.com/containerd/containerd/v2)
 # Versions come from hack/versions.env and can be overridden from the environment.
 #
 # stdout carries only NAME=VALUE lines, for callers to parse or eval, e.g.
@@ -17,8 +19,9 @@
 #   KUBE_BIN_DIR=/root/.cache/dra-driver/k8s-v1.37.2/bin
 # progress and errors go to stderr.
 #
-# --update-wrappers regenerates the committed wrapper modules hack/{kube,etcd,helm}/go.{mod,sum}
-# for the pinned versions; run it after changing a pin in hack/versions.env.
+# --update-wrappers regenerates the committed wrapper modules hack/{kube,kubelet,etcd,helm,containerd}/go.{mod,sum}
+# for the pinned versions (all of them, or those of the components named); run it after changing a
+# pin in hack/versions.env.
 #
 # Why wrapper modules: k8s.io/kubernetes requires its staging modules (k8s.io/api, ...) at v0.0.0 and
 # maps them to ./staging with replace directives, which a dependent module ignores, so
@@ -38,6 +41,10 @@ readonly RECIPE_REVISION=2
 readonly GO_BUILD_FLAGS=(-trimpath -buildvcs=false)
 readonly HEARTBEAT_SECONDS=30
 readonly KUBE_PROGRAMS=(kube-apiserver kube-scheduler kube-controller-manager kubectl)
+readonly CONTAINERD_PROGRAMS=(containerd containerd-shim-runc-v2 ctr)
+# Leaves out the snapshotters that need C libraries or kernel features no test uses; overlayfs and
+# native stay.
+readonly CONTAINERD_TAGS=no_btrfs,no_devmapper,no_zfs
 readonly HARNESS_SOURCES="$HACK_DIR/kube/cmd/kubelet-harness"
 export CGO_ENABLED=0 # static binaries; no C toolchain needed
 export GOWORK=off    # a go.work somewhere above must not change what gets built
@@ -199,10 +206,10 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-# build_program NAME BIN_DIR STAMP MODULE_DIR PACKAGE LDFLAGS
+# build_program NAME BIN_DIR STAMP MODULE_DIR PACKAGE LDFLAGS [TAGS]
 # Builds into a partial file renamed into place, so an interrupted build never looks finished.
 build_program() {
-  local name=$1 bin_dir=$2 stamp=$3 module_dir=$4 package=$5 ldflags=$6
+  local name=$1 bin_dir=$2 stamp=$3 module_dir=$4 package=$5 ldflags=$6 tags=${7:-}
   is_fresh "$name" "$bin_dir" "$stamp" && return
   require_go
   download_dependencies "$module_dir"
@@ -210,7 +217,7 @@ build_program() {
   log "==> building $name ($package) into $bin_dir"
   local started=$SECONDS next_report=$((SECONDS + HEARTBEAT_SECONDS))
   PARTIAL_BINARY="$bin_dir/.$name.partial"
-  (cd "$module_dir" && exec go build "${GO_BUILD_FLAGS[@]}" -ldflags "$ldflags" -o "$PARTIAL_BINARY" "$package") &
+  (cd "$module_dir" && exec go build "${GO_BUILD_FLAGS[@]}" -tags "$tags" -ldflags "$ldflags" -o "$PARTIAL_BINARY" "$package") &
   BUILD_PID=$!
   while kill -0 "$BUILD_PID" 2>/dev/null; do
     sleep 1
@@ -291,6 +298,46 @@ build_etcd() {
   emit ETCD_VERSION "$ETCD_VERSION" ETCD_BIN_DIR "$bin_dir"
 }
 
+# The kubelet gets a wrapper module of its own rather than joining hack/kube: it imports packages
+# the control plane does not (their go.sum lines would change hack/kube/go.sum, and with it the
+# build stamp of every cached control-plane binary), yet it resolves to the same k8s.io/kubernetes.
+kubelet_module_dir() {
+  wrapper_module_dir "$HACK_DIR/kubelet" k8s.io/kubernetes "$KUBE_VERSION" \
+    "$DRA_CACHE_DIR/k8s-$KUBE_VERSION/kubelet-module" github.com/dra-driver/hack/kubelet k8s.io/kubernetes \
+    "$KUBE_VERSION" "v0.${KUBE_VERSION#v1.}" k8s.io/kubernetes/cmd/kubelet
+}
+
+build_kubelet() {
+  local bin_dir="$DRA_CACHE_DIR/k8s-$KUBE_VERSION/bin" module_dir stamp
+  module_dir=$(kubelet_module_dir)
+  stamp=$(build_stamp "kubelet $KUBE_VERSION" "$module_dir/go.mod" "$module_dir/go.sum")
+  is_fresh kubelet "$bin_dir" "$stamp" ||
+    build_program kubelet "$bin_dir" "$stamp" "$module_dir" k8s.io/kubernetes/cmd/kubelet "$(kube_ldflags)"
+  emit KUBE_VERSION "$KUBE_VERSION" KUBE_BIN_DIR "$bin_dir"
+}
+
+containerd_module_dir() {
+  wrapper_module_dir "$HACK_DIR/containerd" github.com/containerd/containerd/v2 "$CONTAINERD_VERSION" \
+    "$DRA_CACHE_DIR/containerd-$CONTAINERD_VERSION/module" github.com/dra-driver/hack/containerd \
+    github.com/containerd/containerd/v2 "$CONTAINERD_VERSION" "" \
+    "${CONTAINERD_PROGRAMS[@]/#/github.com/containerd/containerd/v2/cmd/}"
+}
+
+build_containerd() {
+  local bin_dir="$DRA_CACHE_DIR/containerd-$CONTAINERD_VERSION/bin" module_dir stamp program
+  local version_package=github.com/containerd/containerd/v2/version
+  module_dir=$(containerd_module_dir)
+  stamp=$(build_stamp "containerd $CONTAINERD_VERSION $CONTAINERD_TAGS" "$module_dir/go.mod" "$module_dir/go.sum")
+  # `containerd --version` and the CRI's runtime version say the release, not "v2.x+unknown".
+  local ldflags="-s -w -X $version_package.Version=$CONTAINERD_VERSION -X $version_package.Revision="
+  for program in "${CONTAINERD_PROGRAMS[@]}"; do
+    is_fresh "$program" "$bin_dir" "$stamp" ||
+      build_program "$program" "$bin_dir" "$stamp" "$module_dir" \
+        "github.com/containerd/containerd/v2/cmd/$program" "$ldflags" "$CONTAINERD_TAGS"
+  done
+  emit CONTAINERD_VERSION "$CONTAINERD_VERSION" CONTAINERD_BIN_DIR "$bin_dir"
+}
+
 helm_module() { printf 'helm.sh/helm/%s\n' "${HELM_VERSION%%.*}"; }
 
 helm_ldflags() {
@@ -320,12 +367,19 @@ build_helm() {
 
 update_wrappers() {
   require_go
-  write_wrapper_module "$HACK_DIR/kube" github.com/dra-driver/hack/kube k8s.io/kubernetes "$KUBE_VERSION" \
+  local wanted=" ${*:-kube etcd helm kubelet containerd} "
+  [[ $wanted == *" kube "* ]] && write_wrapper_module "$HACK_DIR/kube" github.com/dra-driver/hack/kube k8s.io/kubernetes "$KUBE_VERSION" \
     "v0.${KUBE_VERSION#v1.}" "${KUBE_PROGRAMS[@]/#/k8s.io/kubernetes/cmd/}"
-  write_wrapper_module "$HACK_DIR/etcd" github.com/dra-driver/hack/etcd go.etcd.io/etcd/server/v3 \
+  [[ $wanted == *" etcd "* ]] && write_wrapper_module "$HACK_DIR/etcd" github.com/dra-driver/hack/etcd go.etcd.io/etcd/server/v3 \
     "$ETCD_VERSION" "" go.etcd.io/etcd/server/v3
-  write_wrapper_module "$HACK_DIR/helm" github.com/dra-driver/hack/helm "$(helm_module)" \
+  [[ $wanted == *" helm "* ]] && write_wrapper_module "$HACK_DIR/helm" github.com/dra-driver/hack/helm "$(helm_module)" \
     "$HELM_VERSION" "" "$(helm_module)/cmd/helm"
+  [[ $wanted == *" kubelet "* ]] && write_wrapper_module "$HACK_DIR/kubelet" github.com/dra-driver/hack/kubelet k8s.io/kubernetes "$KUBE_VERSION" \
+    "v0.${KUBE_VERSION#v1.}" k8s.io/kubernetes/cmd/kubelet
+  [[ $wanted == *" containerd "* ]] && write_wrapper_module "$HACK_DIR/containerd" github.com/dra-driver/hack/containerd \
+    github.com/containerd/containerd/v2 "$CONTAINERD_VERSION" "" \
+    "${CONTAINERD_PROGRAMS[@]/#/github.com/containerd/containerd/v2/cmd/}"
+  return 0
 }
 
 main() {
@@ -339,7 +393,8 @@ main() {
   fi
 
   if [[ ${1:-} == --update-wrappers ]]; then
-    update_wrappers
+    shift
+    update_wrappers "$@"
     return
   fi
   local components=("$@")
@@ -354,7 +409,9 @@ main() {
     harness) build_harness ;;
     etcd) build_etcd ;;
     helm) build_helm ;;
-    *) die "unknown component '$component'; choose from: kube harness etcd helm" ;;
+    kubelet) build_kubelet ;;
+    containerd) build_containerd ;;
+    *) die "unknown component '$component'; choose from: kube harness etcd helm kubelet containerd" ;;
     esac
   done
   for component in "${!RESULTS[@]}"; do printf '%s=%s\n' "$component" "${RESULTS[$component]}"; done | LC_ALL=C sort

@@ -210,7 +210,7 @@ def test_every_value_changes_what_is_deployed(
     assert changed != base, f"value {path} has no effect on the rendered chart: use it or remove it"
     if path in SETTING_OF_VALUE:
         name = SETTING_OF_VALUE[path]
-        expected = str(example).lower() if isinstance(example, bool) else str(example)  # "false", as YAML
+        expected = str(example).lower() if isinstance(example, bool) else str(example)  # as helm prints it
         assert plugin_env(changed)[env_name(name)]["value"] == expected
 
 
@@ -289,7 +289,11 @@ def test_the_account_the_pods_run_as_is_the_one_bound_and_policed(
 
     (binding,) = of_kind(manifests, "ClusterRoleBinding")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
-    (policy,) = of_kind(manifests, "ValidatingAdmissionPolicy")
+    (policy,) = [
+        p
+        for p in of_kind(manifests, "ValidatingAdmissionPolicy")
+        if p["metadata"]["name"].endswith("-resourceslices")
+    ]
     (condition,) = policy["spec"]["matchConditions"]
     assert condition["expression"] == (
         f'request.userInfo.username == "system:serviceaccount:{NAMESPACE}:{account}"'
@@ -308,14 +312,19 @@ def test_device_classes_follow_the_driver_name(helm: Path) -> None:
             for m in of_kind(manifests, "DeviceClass")
         }
 
-    assert set(classes(None)) == {"gpu.dra-driver.dev", "mig.dra-driver.dev"}
+    assert set(classes(None)) == {"gpu.dra-driver.dev", "mig.dra-driver.dev", "maintenance.dra-driver.dev"}
     nvidia = classes("gpu.nvidia.com")
-    assert set(nvidia) == {"gpu.nvidia.com", "mig.nvidia.com"}  # the names NVIDIA's driver uses
+    # The names NVIDIA's driver uses, and the maintenance devices' class (not NVIDIA's).
+    assert set(nvidia) == {"gpu.nvidia.com", "mig.nvidia.com", "maintenance.nvidia.com"}
     assert nvidia["gpu.nvidia.com"] == (
         'device.driver == "gpu.nvidia.com" && device.attributes["gpu.nvidia.com"].type == "gpu"'
     )
     assert nvidia["mig.nvidia.com"].endswith('.type == "mig"')
-    assert set(classes("accel.example.com")) == {"accel.example.com", "mig.accel.example.com"}
+    assert set(classes("accel.example.com")) == {
+        "accel.example.com",
+        "mig.accel.example.com",
+        "maintenance.accel.example.com",
+    }
 
 
 def test_one_extended_resource_is_served_by_one_class(helm: Path) -> None:
@@ -395,10 +404,13 @@ def _class_names(document: Any) -> Iterator[str]:
 
 
 def test_examples_use_the_device_classes_the_chart_installs(helm: Path) -> None:
-    installed = {m["metadata"]["name"]: m for m in of_kind(render(helm), "DeviceClass")}
+    ours = {m["metadata"]["name"]: m for m in of_kind(render(helm), "DeviceClass")}
+    as_nvidia = render(helm, {"driverName": "gpu.nvidia.com"})  # what examples/nvidia/ are written for
+    nvidias = {m["metadata"]["name"]: m for m in of_kind(as_nvidia, "DeviceClass")}
     documents = list(_example_documents())
     assert documents, f"no examples under {EXAMPLES}"
     for path, document in documents:
+        installed = nvidias if path.parent.name == "nvidia" else ours
         for name in _class_names(document):
             assert name in installed, f"{path.relative_to(REPO_ROOT)} asks for DeviceClass {name}"
         if document["kind"] == "DeviceClass":  # for clusters without the chart: the same class

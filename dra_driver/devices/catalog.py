@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from types import MappingProxyType
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -47,6 +48,8 @@ class GpuModel:
     memory_slices: int  # 0 when not MIG-capable
     max_gpu_instances: int
     mig_profiles: tuple[MigProfile, ...]
+    # NVML's addressing mode on coherent (Grace) systems: "ATS", "HMM" or "None"; None elsewhere.
+    addressing_mode: str | None = None
 
     @property
     def memory_bytes(self) -> int:
@@ -98,6 +101,7 @@ class _GpuDoc(_Doc):
     architecture: str
     cuda_compute_capability: str
     memory_total_mi_b: int = Field(alias="memoryTotalMiB")
+    addressing_mode: Literal["ATS", "HMM", "None"] | None = None
     multiprocessor_count: int
     pci_device_id: int
     mig_capable: bool
@@ -171,6 +175,7 @@ def _gpu_model(doc: _GpuDoc) -> GpuModel:
         memory_slices=mig.memory_slices if mig else 0,
         max_gpu_instances=mig.max_gpu_instances if mig else 0,
         mig_profiles=profiles,
+        addressing_mode=doc.addressing_mode,
     )
 
 

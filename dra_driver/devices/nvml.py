@@ -152,7 +152,10 @@ class NvmlBackend:
                 f"NVML not available: {e}. Run the plugin on a node with the NVIDIA driver loaded and "
                 "libnvidia-ml.so.1 on its library path, or use --simulate PROFILE for simulated GPUs"
             ) from e
-        self._bounded("reconciling MIG mode", self._reconcile_mig_mode)
+        try:
+            self._bounded("reconciling MIG mode", self._reconcile_mig_mode)
+        except DeviceError as e:  # the GPUs still work; their MIG mode waits for the next start
+            log.warning("mig_mode_reconcile_failed", error=str(e))
 
     # --- Backend -----------------------------------------------------------------------------------
 
@@ -279,7 +282,7 @@ class NvmlBackend:
         except pynvml.NVMLError as e:
             raise _nvml_error(e, action) from e
         try:
-            gpu_instance, compute_instance = self._create_instances(handle, profile, placement)
+            gpu_instance, compute_instance = self._create_instances(handle, profile, placement, parent_uuid)
         except pynvml.NVMLError as e:
             if switched_on:
                 self._switch_mig_mode_off_if_unused(handle, parent_uuid)
@@ -362,6 +365,7 @@ class NvmlBackend:
             pci_vendor_id=vendor_id,
             device_node=self._device_node(f"nvidia{minor}", (NVIDIA_MAJOR, minor)),
             pcie_root=self._pcie_root(bus_id),
+            addressing_mode=addressing_mode(handle),
             mig_capable=mig_mode is not None,
             mig_enabled=mig_enabled,
             mig_mode_change_requires_reset=mig_mode is not None and architecture < ARCHITECTURE_HOPPER,
@@ -723,7 +727,9 @@ class NvmlBackend:
             log.error("mig_mode_record_failed", path=str(self._mig_mode_file), error=str(e))
 
     @staticmethod
-    def _create_instances(handle: Any, profile: MigProfile, placement: Placement) -> tuple[Any, Any]:
+    def _create_instances(
+        handle: Any, profile: MigProfile, placement: Placement, gpu_uuid: str
+    ) -> tuple[Any, Any]:
         """A GPU instance at exactly ``placement`` and one compute instance spanning it; all or nothing."""
         where = pynvml.c_nvmlGpuInstancePlacement_t(placement.start, placement.size)
         gpu_instance = pynvml.nvmlDeviceCreateGpuInstanceWithPlacement(
@@ -737,7 +743,7 @@ class NvmlBackend:
             )
             compute_instance = pynvml.nvmlGpuInstanceCreateComputeInstance(gpu_instance, ci_profile.id)
         except pynvml.NVMLError:
-            NvmlBackend._destroy_instances(None, gpu_instance, "")
+            NvmlBackend._destroy_instances(None, gpu_instance, gpu_uuid)
             raise
         return gpu_instance, compute_instance
 
@@ -781,3 +787,23 @@ def _preload_nvml(driver_root: Path) -> None:
         ctypes.CDLL(str(driver_root / found), mode=ctypes.RTLD_GLOBAL)
     except OSError as e:
         raise DeviceError(f"cannot load {driver_root / found}: {e}; check the driver root") from e
+
+
+_ADDRESSING_MODES = {
+    pynvml.NVML_DEVICE_ADDRESSING_MODE_NONE: "None",
+    pynvml.NVML_DEVICE_ADDRESSING_MODE_HMM: "HMM",
+    pynvml.NVML_DEVICE_ADDRESSING_MODE_ATS: "ATS",
+}
+
+
+def addressing_mode(handle: Any) -> str | None:
+    """NVML's memory addressing mode as NVIDIA's driver publishes it, or None where there is none.
+
+    Only coherent-memory platforms (Grace) have one; a driver without the call (older than
+    the 580 series) or a platform without the feature means no attribute, as in go-nvlib.
+    """
+    try:
+        mode = pynvml.nvmlDeviceGetAddressingMode(handle)
+    except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
+        return None
+    return _ADDRESSING_MODES.get(mode)

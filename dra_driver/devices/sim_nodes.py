@@ -46,15 +46,15 @@ NODE_PROFILES: dict[str, NodeProfile] = {
         NodeProfile("dgx-a100-80gb", "8x NVIDIA A100-SXM4-80GB (DGX A100)", _same(8, "a100-sxm4-80gb")),
         NodeProfile("dgx-h200", "8x NVIDIA H200 (DGX H200)", _same(8, "h200-sxm-141gb")),
         NodeProfile("dgx-b200", "8x NVIDIA B200 (DGX B200)", _same(8, "b200-180gb")),
-        NodeProfile("l4x4", "4x NVIDIA L4", _same(4, "l4")),
         # One compute tray of a GB200 NVL72 rack: two GB200 superchips of one Grace CPU and two
         # Blackwell GPUs each, 18 trays per rack on one NVLink domain (NVIDIA's GB200 NVL72 spec).
         NodeProfile(
-            "gb200-nvl72",
-            "4x NVIDIA GB200 (one GB200 NVL72 compute tray, multi-node NVLink)",
+            "gb200-tray",
+            "4x NVIDIA GB200 (an NVL72 compute tray; Grace: ATS; multi-node NVLink)",
             _same(4, "gb200"),
             nvlink_fabric=True,
         ),
+        NodeProfile("l4x4", "4x NVIDIA L4", _same(4, "l4")),
         NodeProfile(
             "mixed",
             "2x H100 80GB HBM3 (MIG without reset), 2x A100-SXM4-40GB (MIG needs a reset), 2x L4 (no MIG)",
@@ -92,7 +92,7 @@ def profile_fabric(profile: NodeProfile, setting: str = "") -> FabricInfo | None
         if setting:
             raise DeviceError(
                 f"simulated node profile {profile.name} has no multi-node NVLink; "
-                "a fabric can be given only for gb200-nvl72"
+                "a fabric can be given only for gb200-tray"
             )
         return None
     if setting:
@@ -145,6 +145,7 @@ def _gpu(
         mig_mode_change_requires_reset=model.mig_mode_change_requires_reset,
         memory_slices=model.memory_slices,
         mig_profiles=model.mig_profiles,
+        addressing_mode=model.addressing_mode,
         fabric=fabric,
     )
 

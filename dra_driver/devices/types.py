@@ -122,6 +122,8 @@ class Gpu:
     pci_vendor_id: int  # 0x10de
     device_node: DeviceNode
     pcie_root: str | None = None  # "pci0000:3a" when sysfs tells us
+    # "ATS", "HMM" or "None" where the platform has coherent memory (Grace); None where it has not.
+    addressing_mode: str | None = None
     mig_capable: bool = False
     mig_enabled: bool = False
     # Whether switching MIG mode needs a GPU reset (Ampere) or not (Hopper and newer).

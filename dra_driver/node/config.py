@@ -30,81 +30,36 @@ results are all of the other kind is refused rather than ignored (see
 
 What prepare does with the settings (validate, record, announce as env; it does not
 reconfigure the GPU) is described in :mod:`dra_driver.node.plan`. NVIDIA's config API
-(``resource.nvidia.com/v1beta1``) is not accepted: such a config for our driver name
-fails with an apiVersion error rather than being half understood.
+(``resource.nvidia.com/v1beta1``, with its own field names: ``timeSlicingConfig``,
+``mpsConfig``) is served too, translated into this one by :mod:`dra_driver.node.nvidia_config`,
+so claims written for NVIDIA's driver keep their configs.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
-from decimal import Decimal
-from typing import Annotated, Any, Final, Literal, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
+from dra_driver.node import nvidia_config
+from dra_driver.node.api_base import ApiObject, MemoryQuantity, describe_errors
 from dra_driver.node.claims import AllocationResult, ConfigSource, OpaqueConfig
 
 API_VERSION: Final = "resource.dra-driver.dev/v1alpha1"
 CONFIG_GROUP, CONFIG_VERSION = API_VERSION.split("/")
 
-_MULTIPLIERS = {
-    "": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-}  # fmt: skip
-_QUANTITY_PATTERN = r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
 
-
-def quantity_bytes(quantity: str) -> int:
-    """A memory quantity ("10Gi", "512M", "1.5Gi") as bytes; ValueError unless a whole positive number.
-
-    The subset of Kubernetes quantities that make sense for memory: no sign, no
-    exponent, no milli.
-    """
-    match = re.fullmatch(_QUANTITY_PATTERN, quantity)
-    if match is None:
-        raise ValueError(f"{quantity!r} is not a memory quantity such as 10Gi or 512M")
-    value = Decimal(match[1]) * _MULTIPLIERS[match[2] or ""]
-    if value <= 0 or value != value.to_integral_value():
-        raise ValueError(f"{quantity!r} is not a whole, positive number of bytes")
-    return int(value)
-
-
-def _check_quantity(quantity: str) -> str:
-    try:
-        quantity_bytes(quantity)
-    except ValueError as error:
-        raise PydanticCustomError("memory_quantity", str(error)) from None
-    return quantity
-
-
-MemoryQuantity = Annotated[
-    str, Field(pattern=_QUANTITY_PATTERN, examples=["10Gi", "512Mi"]), AfterValidator(_check_quantity)
-]
-
-
-class _ApiObject(BaseModel):
-    """Strict: unknown fields and values of the wrong JSON type are errors, never coerced."""
-
-    model_config = ConfigDict(
-        extra="forbid",
-        strict=True,
-        frozen=True,
-        alias_generator=to_camel,
-        field_title_generator=lambda name, _info: to_camel(name),
-    )
-
-
-class TimeSlicing(_ApiObject):
+class TimeSlicing(ApiObject):
     interval: Literal["Default", "Short", "Medium", "Long"] = Field(
         default="Default", description="Length of the time slice each process gets on the GPU."
     )
 
 
-class Mps(_ApiObject):
+class Mps(ApiObject):
     default_active_thread_percentage: int | None = Field(
         default=None,
         ge=1,
@@ -129,7 +84,7 @@ def _only_with_strategy(*settings: tuple[str, str]) -> dict[str, Any]:
     }
 
 
-class GpuSharing(_ApiObject):
+class GpuSharing(ApiObject):
     model_config = ConfigDict(
         json_schema_extra=_only_with_strategy(("timeSlicing", "TimeSlicing"), ("mps", "MPS"))
     )
@@ -148,7 +103,7 @@ class GpuSharing(_ApiObject):
         return self
 
 
-class MigSharing(_ApiObject):
+class MigSharing(ApiObject):
     model_config = ConfigDict(json_schema_extra=_only_with_strategy(("mps", "MPS")))
 
     strategy: Literal["Exclusive", "TimeSlicing", "MPS"] = Field(
@@ -169,7 +124,7 @@ def _check_settings(field: str, value: object, wanted: str, strategy: str) -> No
         )
 
 
-class GpuConfig(_ApiObject):
+class GpuConfig(ApiObject):
     """Settings for full GPUs."""
 
     api_version: Literal["resource.dra-driver.dev/v1alpha1"]
@@ -177,7 +132,7 @@ class GpuConfig(_ApiObject):
     sharing: GpuSharing = Field(default_factory=lambda: GpuSharing.model_validate({"strategy": "Exclusive"}))
 
 
-class MigDeviceConfig(_ApiObject):
+class MigDeviceConfig(ApiObject):
     """Settings for MIG devices."""
 
     api_version: Literal["resource.dra-driver.dev/v1alpha1"]
@@ -199,14 +154,38 @@ class ConfigError(Exception):
     """An opaque config for our driver is invalid; the message names the entry and the field."""
 
 
+@dataclass(frozen=True)
+class Decoded:
+    """One decoded opaque config: the settings, and per-device limits only NVIDIA's API can state."""
+
+    config: DeviceConfig
+    # defaultPerDevicePinnedMemoryLimit of resource.nvidia.com: device uuid or index -> quantity.
+    per_device_pinned_limits: Mapping[str, str] = field(default_factory=dict)
+
+
 def decode_config(entry: OpaqueConfig) -> DeviceConfig:
     """Decode one opaque config; :class:`ConfigError` names the entry and every wrong field."""
+    return decode_entry(entry).config
+
+
+def decode_entry(entry: OpaqueConfig) -> Decoded:
+    """Decode one opaque config of either API served (ours, or NVIDIA's translated into ours)."""
     parameters = entry.parameters
     if not isinstance(parameters, Mapping):
         raise ConfigError(f"{entry.describe()}: parameters must be a JSON object with apiVersion and kind")
     api_version, kind = parameters.get("apiVersion"), parameters.get("kind")
-    if api_version != API_VERSION:
-        raise ConfigError(f"{entry.describe()}: apiVersion: {api_version!r} is not served; use {API_VERSION}")
+    per_device: Mapping[str, str] = {}
+    if api_version == nvidia_config.NVIDIA_API_VERSION:
+        try:
+            translated = nvidia_config.translate(parameters, API_VERSION)
+        except nvidia_config.NvidiaConfigError as error:
+            raise ConfigError(f"{entry.describe()}: {error}") from None
+        parameters, per_device = translated.parameters, translated.per_device_pinned_limits
+    elif api_version != API_VERSION:
+        raise ConfigError(
+            f"{entry.describe()}: apiVersion: {api_version!r} is not served; use {API_VERSION} "
+            f"(or NVIDIA's {nvidia_config.NVIDIA_API_VERSION})"
+        )
     model = _KINDS.get(kind) if isinstance(kind, str) else None
     if model is None:
         raise ConfigError(
@@ -214,12 +193,10 @@ def decode_config(entry: OpaqueConfig) -> DeviceConfig:
         )
     try:
         # Validated as JSON, which it is: errors then speak of objects and arrays, not Python types.
-        return model.model_validate_json(json.dumps(parameters))
+        config = model.model_validate_json(json.dumps(parameters))
     except ValidationError as error:
-        problems = "; ".join(
-            f"{'.'.join(str(part) for part in e['loc']) or '(object)'}: {e['msg']}" for e in error.errors()
-        )
-        raise ConfigError(f"{entry.describe()}: {problems}") from None
+        raise ConfigError(f"{entry.describe()}: {describe_errors(error)}") from None
+    return Decoded(config, per_device)
 
 
 def config_json(config: DeviceConfig) -> dict[str, Any]:
@@ -227,7 +204,7 @@ def config_json(config: DeviceConfig) -> dict[str, Any]:
     return config.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
-_Config = TypeVar("_Config", bound=DeviceConfig)
+_Config = TypeVar("_Config")
 
 
 def effective_config(
@@ -239,12 +216,19 @@ def effective_config(
     before claim configs (stable, so the order within each source is kept) and lets
     the last applicable one win.
     """
+    return {result: config for result, (_entry, config) in winning_configs(results, configs).items()}
+
+
+def winning_configs(
+    results: Sequence[AllocationResult], configs: Sequence[tuple[OpaqueConfig, _Config]]
+) -> dict[AllocationResult, tuple[OpaqueConfig, _Config]]:
+    """:func:`effective_config`, keeping the entry each winner came from."""
     ordered = sorted(configs, key=lambda pair: pair[0].source is ConfigSource.FROM_CLAIM)
-    chosen: dict[AllocationResult, _Config] = {}
+    chosen: dict[AllocationResult, tuple[OpaqueConfig, _Config]] = {}
     for entry, config in ordered:
         for result in results:
             if _applies(entry, result):
-                chosen[result] = config
+                chosen[result] = (entry, config)
     return chosen
 
 

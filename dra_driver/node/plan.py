@@ -22,10 +22,12 @@ be seconds old, and the hardware refuses an overlap when the device is created.
 
 Admin access (a monitoring or maintenance pod in a namespace labelled
 ``resource.kubernetes.io/admin-access: "true"``) resolves like any other allocation but
-never to a MIG device to create: it looks at a device some workload may be using, so it
-gets that device as it is, announced by ``DRA_GPU_ADMIN_ACCESS_<DEVICE>=true``. The
-checkpoint does not count it against the device (:mod:`dra_driver.node.state`), so
-unpreparing it leaves the workload's claim alone.
+never to a MIG device to create. A GPU's maintenance device, ``gpu-<minor>-maintenance``
+(``dra_driver.resources.devices.maintenance_device``), resolves to the whole GPU, for
+admin access only, also in MIG mode. Either way admin access looks at a device some
+workload may be using, so it gets that device as it is, announced by
+``DRA_GPU_ADMIN_ACCESS_<DEVICE>=true``. The checkpoint does not count it against the device
+(:mod:`dra_driver.node.state`), so unpreparing it leaves the workload's claim alone.
 
 What the sharing settings do. They are validated (also against the device, e.g. an
 MPS memory limit larger than the device), recorded in the checkpoint, and announced
@@ -61,6 +63,7 @@ from dra_driver.cdi.spec import (
     uuid_env_name,
 )
 from dra_driver.devices.types import DeviceNode, Gpu, Inventory, MigDevice, MigProfile, Placement
+from dra_driver.node.api_base import quantity_bytes
 from dra_driver.node.claims import (
     AllocatedClaim,
     AllocationResult,
@@ -72,17 +75,17 @@ from dra_driver.node.config import (
     DEFAULT_GPU_CONFIG,
     DEFAULT_MIG_CONFIG,
     ConfigError,
+    Decoded,
     DeviceConfig,
     GpuConfig,
     GpuSharing,
     MigDeviceConfig,
     MigSharing,
-    decode_config,
-    effective_config,
-    quantity_bytes,
+    decode_entry,
+    winning_configs,
 )
 from dra_driver.resources.devices import PartitionPolicy, offers_partitions, partition_all
-from dra_driver.resources.naming import gpu_device_name, mig_device_name
+from dra_driver.resources.naming import gpu_device_name, maintenance_device_name, mig_device_name
 
 ADMIN_ACCESS_ENV_PREFIX = "DRA_GPU_ADMIN_ACCESS_"
 
@@ -198,16 +201,17 @@ def plan_claim(
         result: _resolve(result, claim.ref.uid, inventory, partition, holders) for result in claim.results
     }
     try:
-        decoded = [(entry, decode_config(entry)) for entry in claim.configs]
+        decoded = [(entry, decode_entry(entry)) for entry in claim.configs]
     except ConfigError as error:
         raise ClaimRejected(str(error)) from None
-    _check_config_kinds(decoded, claim.results, targets)
+    _check_config_kinds([(entry, d.config) for entry, d in decoded], claim.results, targets)
     gpu_results = [r for r in claim.results if not targets[r].is_mig]
     mig_results = [r for r in claim.results if targets[r].is_mig]
-    configs: dict[AllocationResult, DeviceConfig] = {
-        **effective_config(gpu_results, [(e, c) for e, c in decoded if isinstance(c, GpuConfig)]),
-        **effective_config(mig_results, [(e, c) for e, c in decoded if isinstance(c, MigDeviceConfig)]),
+    winners = {
+        **winning_configs(gpu_results, [(e, d) for e, d in decoded if isinstance(d.config, GpuConfig)]),
+        **winning_configs(mig_results, [(e, d) for e, d in decoded if isinstance(d.config, MigDeviceConfig)]),
     }
+    configs = _per_device_limits(claim.results, targets, winners)
     devices = tuple(
         PlannedDevice(
             result=result,
@@ -223,6 +227,57 @@ def plan_claim(
     if not plan.to_create:
         plan.cdi_spec  # noqa: B018 -- built now, so that a spec no runtime would accept rejects the claim
     return plan
+
+
+def _per_device_limits(
+    results: Sequence[AllocationResult],
+    targets: Mapping[AllocationResult, Target],
+    winners: Mapping[AllocationResult, tuple[OpaqueConfig, Decoded]],
+) -> dict[AllocationResult, DeviceConfig]:
+    """Each result's config, with NVIDIA's ``defaultPerDevicePinnedMemoryLimit`` applied.
+
+    As in NVIDIA's driver, a key is the uuid of one of the devices the config applies to, or
+    its index among them (in allocation order), and its limit overrides the default one. A MIG
+    device created at prepare has no uuid yet, so only its index can name it.
+    """
+    configs: dict[AllocationResult, DeviceConfig] = {}
+    for result, (entry, decoded) in winners.items():
+        configs[result] = decoded.config
+        if not decoded.per_device_pinned_limits:
+            continue
+        group = [r for r in results if r in winners and winners[r][0] is entry]
+        uuids = [_known_uuid(targets[r]) for r in group]
+        position = group.index(result)
+        limit = None
+        for key, value in decoded.per_device_pinned_limits.items():
+            if key in uuids:
+                index = uuids.index(key)
+            elif key.isdigit() and int(key) < len(group):
+                index = int(key)
+            else:
+                raise ClaimRejected(
+                    f"{entry.describe()}: sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit: invalid "
+                    f"device {key!r}: neither the uuid of one of its {len(group)} devices nor an index "
+                    f"0-{len(group) - 1}"
+                )
+            if index == position:
+                limit = value
+        if limit is not None:
+            configs[result] = _with_pinned_limit(decoded.config, limit)
+    return configs
+
+
+def _known_uuid(target: Target) -> str | None:
+    return None if target.create is not None and target.mig is None else target.uuid
+
+
+def _with_pinned_limit(config: DeviceConfig, limit: str) -> DeviceConfig:
+    mps = config.sharing.mps
+    assert mps is not None  # the translation writes mps whenever per-device limits exist
+    sharing = config.sharing.model_copy(
+        update={"mps": mps.model_copy(update={"default_pinned_device_memory_limit": limit})}
+    )
+    return config.model_copy(update={"sharing": sharing})
 
 
 def _check_config_kinds(
@@ -285,6 +340,13 @@ def _resolve(
                     "the claim was allocated from a stale ResourceSlice and needs a new allocation"
                 )
             return Target(gpu)
+        if device == maintenance_device_name(gpu.minor):
+            if not result.admin_access:
+                raise ClaimRejected(
+                    f"device {device} is for admin access only (it shares {gpu_device_name(gpu.minor)} "
+                    "with its workloads); request it with adminAccess: true, or use the GPU class"
+                )
+            return Target(gpu)  # the whole GPU as it is, in MIG mode or not: looked at, never changed
         for profile in gpu.mig_profiles:
             for placement in profile.placements:
                 if device == mig_device_name(gpu.minor, profile.name, profile.profile_id, placement.start):

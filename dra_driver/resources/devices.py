@@ -30,6 +30,7 @@ from dra_driver.devices.types import Gpu, Inventory, MigDevice, MigProfile, Plac
 from dra_driver.resources.naming import (
     counter_set_name,
     gpu_device_name,
+    maintenance_device_name,
     memory_slice_counter,
     mig_device_name,
     require_dns_label,
@@ -46,6 +47,8 @@ from dra_driver.resources.wire import (
 
 PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
 PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
+# NVIDIA's driver published the bus id under its own domain up to v25.8; claims may still use it.
+LEGACY_PCIE_BUS_ID = "pcieBusID"
 DEVICE_TAINTS_MAX = 16  # per device, API limit
 
 VERSION_MAX_LENGTH = 64  # API limit for string and version attribute values
@@ -105,6 +108,7 @@ def build_devices(
     partition: PartitionPolicy = partition_all,
     owned_mig_uuids: Collection[str] = frozenset(),
     taints: Mapping[str, Sequence[DeviceTaint]] | None = None,
+    maintenance: bool = False,
 ) -> list[GpuDevices]:
     """The devices of every GPU in ``inventory``, ordered by minor number.
 
@@ -112,10 +116,16 @@ def build_devices(
     hardware also allows it (see :func:`offers_partitions`). ``owned_mig_uuids`` are the MIG
     devices the driver created for claims; every other MIG device is static. ``taints`` maps a
     device name to the taints to publish on it (names not published here are ignored).
+    ``maintenance`` adds each GPU's maintenance device (see :func:`maintenance_device`).
     """
     result: list[GpuDevices] = []
     for gpu in sorted(inventory.gpus, key=lambda g: g.minor):
         gpu_devices = _gpu_devices(inventory, gpu, partition(gpu) and offers_partitions(gpu), owned_mig_uuids)
+        if maintenance:
+            gpu_devices = GpuDevices(
+                devices=(*gpu_devices.devices, maintenance_device(inventory, gpu)),
+                counter_set=gpu_devices.counter_set,
+            )
         if taints:
             gpu_devices = GpuDevices(
                 devices=tuple(
@@ -208,20 +218,60 @@ def _common_attributes(inventory: Inventory, gpu: Gpu) -> dict[str, DeviceAttrib
     }
     if gpu.pci_bus_id:
         attributes[PCI_BUS_ID] = {"string": gpu.pci_bus_id}
+        attributes[LEGACY_PCIE_BUS_ID] = {"string": gpu.pci_bus_id}
     if gpu.pcie_root:
         attributes[PCIE_ROOT] = {"string": gpu.pcie_root}
+    if gpu.addressing_mode:
+        attributes["addressingMode"] = {"string": gpu.addressing_mode}
     return attributes
 
 
+MAINTENANCE_TYPE = "maintenance"
+
+
+def maintenance_device(inventory: Inventory, gpu: Gpu) -> Device:
+    """``gpu-<minor>-maintenance``: the whole GPU for admin access, consuming no counters.
+
+    The Kubernetes 1.37 scheduler counts an admin-access claim against the shared counters it
+    consumes (kubernetes/kubernetes#140729), so admin access to a GPU whose counters a workload
+    holds (any of its MIG devices, or the GPU itself) waits for the workload. This device stands
+    for the same GPU without counters. It must never reach an ordinary claim, which would then share
+    the GPU unaccounted: its ``type`` is one no ordinary DeviceClass selects, the chart's admission
+    policy refuses any request for its class without ``adminAccess``, and prepare refuses it too.
+    """
+    attributes: dict[str, DeviceAttribute] = {
+        "type": {"string": MAINTENANCE_TYPE},
+        "uuid": {"string": gpu.uuid},
+        **_common_attributes(inventory, gpu),
+    }
+    return {
+        "name": require_dns_label(maintenance_device_name(gpu.minor), "device name"),
+        "attributes": attributes,
+        "capacity": {"memory": _capacity(gpu.memory_bytes)},
+    }
+
+
 def _full_gpu(gpu: Gpu, common: dict[str, DeviceAttribute]) -> Device:
+    capacity = {"memory": _capacity(gpu.memory_bytes), "multiprocessors": _capacity(gpu.multiprocessors)}
+    if gpu.mig_profiles:
+        # NVIDIA's driver (with its DynamicMIG gate) gives a MIG-capable GPU the largest of each
+        # engine count its profiles have: the GPU whole has at least what its largest part has.
+        for name, count in _ENGINE_CAPACITIES.items():
+            capacity[name] = _capacity(max(count(p) for p in gpu.mig_profiles))
     return {
         "name": require_dns_label(gpu_device_name(gpu.minor), "device name"),
         "attributes": {"type": {"string": "gpu"}, "uuid": {"string": gpu.uuid}, **common},
-        "capacity": {
-            "memory": _capacity(gpu.memory_bytes),
-            "multiprocessors": _capacity(gpu.multiprocessors),
-        },
+        "capacity": capacity,
     }
+
+
+_ENGINE_CAPACITIES: dict[str, Callable[[MigProfile], int]] = {
+    "copyEngines": lambda p: p.copy_engines,
+    "decoders": lambda p: p.decoders,
+    "encoders": lambda p: p.encoders,
+    "jpegEngines": lambda p: p.jpeg_engines,
+    "ofaEngines": lambda p: p.ofa_engines,
+}
 
 
 def _mig_device(
@@ -238,19 +288,20 @@ def _mig_device(
         attributes["uuid"] = {"string": uuid}
     attributes |= {"profile": {"string": profile.name}, "parentUUID": {"string": gpu.uuid}, **common}
     name = mig_device_name(gpu.minor, profile.name, profile.profile_id, placement.start)
-    return {
-        "name": require_dns_label(name, "MIG device name"),
-        "attributes": attributes,
-        "capacity": {
-            "multiprocessors": _capacity(profile.multiprocessors),
-            "copyEngines": _capacity(profile.copy_engines),
-            "decoders": _capacity(profile.decoders),
-            "encoders": _capacity(profile.encoders),
-            "jpegEngines": _capacity(profile.jpeg_engines),
-            "ofaEngines": _capacity(profile.ofa_engines),
-            "memory": _capacity(profile.memory_bytes),
-        },
+    capacity = {
+        "multiprocessors": _capacity(profile.multiprocessors),
+        "copyEngines": _capacity(profile.copy_engines),
+        "decoders": _capacity(profile.decoders),
+        "encoders": _capacity(profile.encoders),
+        "jpegEngines": _capacity(profile.jpeg_engines),
+        "ofaEngines": _capacity(profile.ofa_engines),
+        "memory": _capacity(profile.memory_bytes),
     }
+    if uuid is not None:
+        # As NVIDIA's driver does for a MIG device that exists: the memory slices it occupies.
+        capacity |= {f"memorySlice{i}": _capacity(1) for i in placement.memory_slices}
+    name = require_dns_label(name, "MIG device name")
+    return {"name": name, "attributes": attributes, "capacity": capacity}
 
 
 def _profile_of(gpu: Gpu, mig: MigDevice) -> MigProfile:

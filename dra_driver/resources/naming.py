@@ -1,8 +1,10 @@
-"""Names of published devices and counters, exactly as NVIDIA's DRA driver spells them.
+"""Names of published devices and counters, as NVIDIA's DRA driver spells them since v25.12.
 
 Claims, DeviceTaintRules and allocation results refer to devices by name, so these names
-are an API: they must match NVIDIA's (``gpu-0``, ``gpu-0-mig-1g10gb-19-0``) for claims
-written for that driver to keep working, and they must not change between releases.
+are an API: they match NVIDIA's (``gpu-0``, ``gpu-0-mig-1g10gb-19-0``: its
+``MigSpecTuple.ToCanonicalName``) so that what was written for that driver keeps working,
+and they must not change between releases. NVIDIA's v25.8 and earlier spelt MIG devices
+``gpu-<minor>-mig-<profile id>-<start>-<size>``; docs/nvidia-compatibility.md says so.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ def require_dns_label(name: str, what: str) -> str:
 def gpu_device_name(minor: int) -> str:
     """``gpu-<minor>``: the minor number is stable across reboots, unlike the NVML index."""
     return f"gpu-{minor}"
+
+
+def maintenance_device_name(minor: int) -> str:
+    """``gpu-<minor>-maintenance``: the GPU for admin access, outside its counters (not NVIDIA's)."""
+    return f"gpu-{minor}-maintenance"
 
 
 def mig_profile_label(profile: str) -> str:

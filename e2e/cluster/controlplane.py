@@ -31,13 +31,23 @@ from e2e.cluster.processes import ProcessRecord
 from e2e.cluster.rest import RestClient
 
 ADMIN_USER = "admin"
+# A real kubelet registers as its host name; --hostname-override=127.0.0.1 also gives the Node the
+# InternalIP the API server reaches it at (a loopback --node-ip is refused). See e2e/realnode.
 SCHEDULER_USER = "system:kube-scheduler"
+REAL_NODE_NAME = "127.0.0.1"
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 _CONTROLLERS = (
     "resourceclaim-controller",
     "device-taint-eviction-controller",
     "garbage-collector-controller",
     "namespace-controller",
+)
+# With real kubelets (ControlPlane(real_nodes=True)): DaemonSets get pods, every namespace its
+# `default` ServiceAccount, and every pod the kube-root-ca.crt ConfigMap its token volume projects.
+_REAL_NODE_CONTROLLERS = (
+    "daemonset-controller",
+    "serviceaccount-controller",
+    "root-ca-certificate-publisher-controller",
 )
 _POLL_SECONDS = 0.1
 _STOP_GRACE_SECONDS = 10.0
@@ -71,6 +81,10 @@ class ClusterInfo:
     base_dir: Path
     ports: Ports
     processes: tuple[ProcessRecord, ...]
+    # With real_nodes: the kubelets' identity, and the CA that signed the API server's client
+    # certificate for kubelets (a kubelet's authentication.x509.clientCAFile).
+    node_token: str | None = None
+    kubelet_client_ca_file: Path | None = None
 
     def api_client(self, token: str | None = None) -> client.ApiClient:
         """A client of the API server that authenticates with `token` (default: the admin's)."""
@@ -104,6 +118,10 @@ class ClusterInfo:
                 ProcessRecord(name=p["name"], pid=p["pid"], start_time=p["start_time"], log=Path(p["log"]))
                 for p in data["processes"]
             ),
+            node_token=data.get("node_token"),
+            kubelet_client_ca_file=Path(data["kubelet_client_ca_file"])
+            if data.get("kubelet_client_ca_file")
+            else None,
         )
 
 
@@ -138,6 +156,11 @@ class ControlPlane:
     what a failed start() left running. With die_with_parent=True (tests) the kernel kills the
     components if this process dies without stopping them; `cluster up` passes False so that they
     outlive the command that started them.
+
+    real_nodes=True prepares it for real kubelets (e2e/realnode): a node identity
+    (system:node:127.0.0.1 in system:nodes, under the Node authorizer and NodeRestriction), a client
+    certificate the API server presents to kubelets (logs, exec), ServiceAccount admission (pods get
+    their token volume) and the controllers that DaemonSets and token volumes need.
     """
 
     def __init__(
@@ -147,7 +170,9 @@ class ControlPlane:
         *,
         kubeconfig: Path | None = None,
         die_with_parent: bool = True,
+        real_nodes: bool = False,
     ) -> None:
+        self._real_nodes = real_nodes
         self._binaries = binaries
         self._base_dir = base_dir
         self._kubeconfig = kubeconfig or base_dir / "admin.kubeconfig"
@@ -198,7 +223,11 @@ class ControlPlane:
         ports = Ports(*free_ports(5))
         admin = credentials.new_token(ADMIN_USER, "system:masters")
         scheduler = credentials.new_token(SCHEDULER_USER)
-        credentials.write_token_file(base / "tokens.csv", [admin, scheduler])
+        node = credentials.new_token(f"system:node:{REAL_NODE_NAME}", "system:nodes")
+        tokens = [admin, scheduler] + ([node] if self._real_nodes else [])
+        credentials.write_token_file(base / "tokens.csv", tokens)
+        if self._real_nodes:
+            credentials.write_kubelet_client_certificate(base / "kubelet-client")
         credentials.write_service_account_key(base / "service-account.key")
         # The three binaries of a release share one feature-gate registry; asking one of them suffices.
         gates = features.feature_gates_flag(features.settable_gates(self._binaries.kube_apiserver))
@@ -238,6 +267,8 @@ class ControlPlane:
             base_dir=base,
             ports=ports,
             processes=tuple(running.record for running in self._children),
+            node_token=node.token if self._real_nodes else None,
+            kubelet_client_ca_file=base / "kubelet-client" / "ca.crt" if self._real_nodes else None,
         )
 
     def _launch(self, name: str, argv: list[str], logs: Path) -> _Running:
@@ -265,6 +296,16 @@ class ControlPlane:
     def _apiserver_args(self, ports: Ports, gates: str) -> list[str]:
         base = self._base_dir
         key = base / "service-account.key"
+        # No ServiceAccount admission: no controller creates the `default` accounts it would demand.
+        # No TaintNodesByCondition: it would taint new Nodes not-ready, and no kubelet clears that.
+        disabled_admission = (
+            "TaintNodesByCondition" if self._real_nodes else "ServiceAccount,TaintNodesByCondition"
+        )
+        kubelet_client = base / "kubelet-client"
+        real_node_args = [
+            f"--kubelet-client-certificate={kubelet_client / 'client.crt'}",
+            f"--kubelet-client-key={kubelet_client / 'client.key'}",
+        ]
         return [
             str(self._binaries.kube_apiserver),
             f"--etcd-servers=http://127.0.0.1:{ports.etcd_client}",
@@ -279,12 +320,11 @@ class ControlPlane:
             f"--service-account-signing-key-file={key}",
             "--service-cluster-ip-range=10.0.0.0/24",
             "--allow-privileged=true",
-            # No ServiceAccount admission: no controller creates the `default` accounts it would demand.
-            # No TaintNodesByCondition: it would taint new Nodes not-ready, and no kubelet clears that.
-            "--disable-admission-plugins=ServiceAccount,TaintNodesByCondition",
+            f"--disable-admission-plugins={disabled_admission}",
             "--endpoint-reconciler-type=none",
             f"--feature-gates={gates}",
             f"--runtime-config={features.runtime_config_flag(self._binaries.kube_version)}",
+            *(real_node_args if self._real_nodes else []),
         ]
 
     def _scheduler_args(self, ports: Ports, gates: str, config: Path) -> list[str]:
@@ -303,7 +343,7 @@ class ControlPlane:
             # service-account credentials, which need controllers this cluster leaves out.
             f"--kubeconfig={self._kubeconfig}",
             "--leader-elect=false",
-            f"--controllers={','.join(_CONTROLLERS)}",
+            f"--controllers={','.join(_CONTROLLERS + (_REAL_NODE_CONTROLLERS if self._real_nodes else ()))}",
             f"--feature-gates={gates}",
             "--bind-address=127.0.0.1",
             f"--secure-port={ports.controller_manager}",

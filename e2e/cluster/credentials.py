@@ -53,6 +53,68 @@ def write_service_account_key(path: Path) -> None:
     path.chmod(0o600)
 
 
+def write_kubelet_client_certificate(directory: Path) -> None:
+    """A CA and the client certificate the API server presents to kubelets (logs, exec, port-forward).
+
+    A kubelet trusts the CA (authentication.x509.clientCAFile) and asks the API server whether the
+    certificate's user may do what it asks (webhook authorization); the user is in system:masters.
+    """
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise RuntimeError(
+            "openssl is needed to create the kubelet client certificate; install it and run again"
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], check=True, capture_output=True, cwd=directory)
+
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=dra-driver-kubelet-client-ca",
+    )
+    run(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "client.key",
+        "-out",
+        "client.csr",
+        "-subj",
+        "/O=system:masters/CN=kube-apiserver-kubelet-client",
+    )
+    run(
+        "x509",
+        "-req",
+        "-in",
+        "client.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "client.crt",
+        "-days",
+        "2",
+    )
+    for key in ("ca.key", "client.key"):
+        (directory / key).chmod(0o600)
+
+
 def write_kubeconfig(path: Path, *, server: str, ca_certificate: bytes, user: str, token: str) -> None:
     """Writes a self-contained kubeconfig (the CA is embedded) for one token identity."""
     config = {

@@ -29,7 +29,12 @@ def test_inventory_prints_the_gpus_and_the_slices_it_would_publish() -> None:
     full_gpus = [d["name"] for d in devices if d["attributes"]["type"]["string"] == "gpu"]
     assert sorted(full_gpus) == [f"gpu-{i}" for i in range(8)]
     # Every MIG placement of every H100 is offered too: 25 per GPU (facts: 7+7+4+3+2+1+1).
-    assert len(devices) - len(full_gpus) == 8 * 25
+    migs = [d for d in devices if d["attributes"]["type"]["string"] == "mig"]
+    assert len(migs) == 8 * 25
+    # And each GPU's maintenance device, for admin access (docs/maintenance.md).
+    maintenance = [d["name"] for d in devices if d["attributes"]["type"]["string"] == "maintenance"]
+    assert sorted(maintenance) == [f"gpu-{i}-maintenance" for i in range(8)]
+    assert len(devices) == len(full_gpus) + len(migs) + len(maintenance)
     assert all(s["spec"]["nodeName"] == "gpu-node-7" for s in slices)
     assert all(s["spec"]["pool"]["resourceSliceCount"] == len(slices) for s in slices)
 

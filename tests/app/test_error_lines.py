@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +13,7 @@ import structlog
 
 from dra_driver import cli
 from dra_driver.errors import StartupError
-from dra_driver.log import crash_line, error_line
+from dra_driver.log import configure, crash_line, error_line
 from dra_driver.settings import LogFormat
 
 
@@ -22,6 +23,7 @@ def _restore_logging() -> Iterator[None]:
     root = logging.getLogger()
     handlers, level, config = root.handlers[:], root.level, structlog.get_config()
     yield
+    logging.captureWarnings(False)
     root.handlers[:] = handlers
     root.setLevel(level)
     structlog.configure(**config)
@@ -80,3 +82,15 @@ def test_on_a_terminal_a_bug_shows_its_traceback(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("DRA_LOG_FORMAT", "console")
     with pytest.raises(RuntimeError, match="boom"):
         cli.main(["inventory", "--simulate", "l4x4"])
+
+
+def test_in_json_mode_a_library_warning_is_a_log_event(capsys: pytest.CaptureFixture[str]) -> None:
+    configure(LogFormat.JSON, "info")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("this API is going away", DeprecationWarning, stacklevel=1)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1
+    event = json.loads(lines[0])
+    assert event["level"] == "warning"
+    assert "this API is going away" in event["event"]

@@ -13,6 +13,7 @@ from dra_driver.cli_settings import (
     flag_name,
     requested_log_format,
     settings_from,
+    unknown_env_settings,
 )
 from dra_driver.errors import StartupError
 from dra_driver.settings import LogFormat, Settings, http_host_port
@@ -171,3 +172,8 @@ def test_the_log_format_of_an_error_is_read_before_settings_are_valid(
     argv: list[str], env: dict[str, str], expected: LogFormat
 ) -> None:
     assert requested_log_format(argv, env) is expected
+
+
+def test_dra_variables_that_name_no_setting_are_found() -> None:
+    environ = {"DRA_NODE_NAME": "n1", "DRA_NODENAME": "n1", "DRA_MIG_PARTITION": "0", "HOME": "/root"}
+    assert unknown_env_settings(environ) == ["DRA_MIG_PARTITION", "DRA_NODENAME"]

@@ -156,6 +156,9 @@ def test_an_address_the_host_lacks_is_one_line(node: Node) -> None:
     # 192.0.2.0/24 is TEST-NET-1 (RFC 5737): no host has it.
     result = node.plugin("--http-address=192.0.2.1:8080")
     one_line_error(result, 1, "--http-address / DRA_HTTP_ADDRESS", "192.0.2.1:8080", "address of this host")
+    # The directory checks before it made the socket directory as the sockets need it: owner only.
+    assert (node.base / "plugins" / "gpu.dra-driver.dev").stat().st_mode & 0o777 == 0o750
+    assert not list(node.base.rglob(".dra-driver-probe-*"))  # no probe file left behind
 
 
 def test_a_port_in_use_is_one_line(node: Node) -> None:
@@ -186,11 +189,13 @@ def test_an_unwritable_data_dir_is_one_line(node: Node, below: str, says: str) -
     one_line_error(result, 1, str(data_dir), "--data-dir / DRA_DATA_DIR", says)
 
 
-def test_an_unwritable_cdi_dir_is_one_line(node: Node) -> None:
+@pytest.mark.parametrize("flag", ["--cdi-dir", "--plugins-dir", "--registry-dir"])
+def test_other_unwritable_directories_are_one_line(node: Node, flag: str) -> None:
     in_the_way = node.base / "a-file"
     in_the_way.write_text("")
-    result = node.plugin(f"--cdi-dir={in_the_way}")
-    one_line_error(result, 1, str(in_the_way), "--cdi-dir / DRA_CDI_DIR")
+    result = node.plugin(f"{flag}={in_the_way}")
+    env = "DRA_" + flag[2:].upper().replace("-", "_")
+    one_line_error(result, 1, str(in_the_way), f"{flag} / {env}")
 
 
 # --- values that used to be accepted silently -----------------------------------------------------
@@ -310,6 +315,15 @@ def test_simulate_busy_of_a_gpu_the_node_lacks_says_so(node: Node) -> None:
 def test_every_bad_setting_is_named_in_one_line(node: Node) -> None:
     result = node.plugin("--health-poll-seconds=nan", env={"DRA_INVENTORY_REFRESH_SECONDS": "soon"})
     one_line_error(result, 2, "DRA_HEALTH_POLL_SECONDS", "DRA_INVENTORY_REFRESH_SECONDS", "'soon'")
+
+
+def test_a_misspelt_env_var_is_warned_about(node: Node) -> None:
+    # DRA_MIG_PARTITION (no S) would silently leave MIG partitions on every GPU.
+    result = node.plugin("--http-address=192.0.2.1:8080", env={"DRA_MIG_PARTITION": "0"})
+    warning, error = result.stderr.splitlines()
+    assert "DRA_MIG_PARTITION" in warning
+    assert "names no setting" in warning
+    assert error.startswith("error: cannot listen")
 
 
 # --- in a pod -------------------------------------------------------------------------------------

@@ -23,10 +23,10 @@ CLAIM_UID = "0b1ef6d2-7c3a-4f59-9d8e-5a4c2b1e9f30"
 HOOK = f"{DRIVER_ROOT}/usr/bin/nvidia-cdi-hook"
 LIB = "/usr/lib/x86_64-linux-gnu"
 
-# The published CDI schema, read from the team's shared data beside the checkout (not
-# copied into the repo); CDI_SCHEMA_DIR points elsewhere.
-_SHARED_SCHEMA = Path(__file__).resolve().parents[3] / "shared" / "data" / "cdi-schema"
-SCHEMA_DIR = Path(os.environ.get("CDI_SCHEMA_DIR", str(_SHARED_SCHEMA)))
+# The published CDI schema, vendored beside these tests (schema/SOURCE.md says from where);
+# CDI_SCHEMA_DIR points elsewhere.
+_VENDORED_SCHEMA = Path(__file__).resolve().parent / "schema"
+SCHEMA_DIR = Path(os.environ.get("CDI_SCHEMA_DIR", str(_VENDORED_SCHEMA)))
 
 
 def _rooted(path: str) -> HostFile:

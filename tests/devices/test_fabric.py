@@ -26,7 +26,7 @@ def test_a_gpu_without_nvlink_fabric_has_no_fabric_info() -> None:
 
 
 def _tray(tmp_path: Path, fabric: str = "1") -> Inventory:
-    return SimulatedBackend("gb200-nvl72", "tray", tmp_path, fabric=f"{CLUSTER}/{fabric}").inventory()
+    return SimulatedBackend("gb200-tray", "tray", tmp_path, fabric=f"{CLUSTER}/{fabric}").inventory()
 
 
 def _with(inventory: Inventory, index: int, fabric: FabricInfo | None) -> Inventory:

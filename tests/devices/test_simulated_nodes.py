@@ -29,8 +29,8 @@ def _backend(tmp_path, profile="dgx-h100", node="node-a"):
         ("dgx-a100-80gb", 8, {"NVIDIA A100-SXM4-80GB"}),
         ("dgx-h200", 8, {"NVIDIA H200"}),
         ("dgx-b200", 8, {"NVIDIA B200"}),
+        ("gb200-tray", 4, {"NVIDIA GB200"}),
         ("l4x4", 4, {"NVIDIA L4"}),
-        ("gb200-nvl72", 4, {"NVIDIA GB200"}),
         ("mixed", 6, {"NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "NVIDIA L4"}),
     ],
 )
@@ -48,8 +48,8 @@ def test_every_registered_profile_is_tested():
         "dgx-a100-80gb",
         "dgx-h200",
         "dgx-b200",
+        "gb200-tray",
         "l4x4",
-        "gb200-nvl72",
         "mixed",
     }
 
@@ -138,16 +138,16 @@ def test_inventory_renders_as_json_data(tmp_path):
 
 def test_nvl72_trays_report_the_clique_they_are_configured_for(tmp_path):
     cluster = "8a2d6e1c-1b1e-4a3e-9f0a-2b6c1d7e5f40"
-    one = SimulatedBackend("gb200-nvl72", "tray-1", tmp_path / "1", fabric=f"{cluster}/1").inventory()
-    two = SimulatedBackend("gb200-nvl72", "tray-2", tmp_path / "2", fabric=f"{cluster}/2").inventory()
+    one = SimulatedBackend("gb200-tray", "tray-1", tmp_path / "1", fabric=f"{cluster}/1").inventory()
+    two = SimulatedBackend("gb200-tray", "tray-2", tmp_path / "2", fabric=f"{cluster}/2").inventory()
     assert {g.fabric.clique for g in one.gpus if g.fabric} == {f"{cluster}.1"}
     assert {g.fabric.clique for g in two.gpus if g.fabric} == {f"{cluster}.2"}
     assert node_clique(one).clique != node_clique(two).clique
 
 
 def test_nvl72_trays_share_the_default_clique_unless_told(tmp_path):
-    one = SimulatedBackend("gb200-nvl72", "tray-1", tmp_path / "1").inventory()
-    two = SimulatedBackend("gb200-nvl72", "tray-2", tmp_path / "2").inventory()
+    one = SimulatedBackend("gb200-tray", "tray-1", tmp_path / "1").inventory()
+    two = SimulatedBackend("gb200-tray", "tray-2", tmp_path / "2").inventory()
     assert node_clique(one).clique
     assert node_clique(one) == node_clique(two)
 
@@ -161,4 +161,4 @@ def test_gpus_without_multi_node_nvlink_have_no_fabric(tmp_path):
 
 def test_a_malformed_fabric_is_refused_with_the_expected_form(tmp_path):
     with pytest.raises(DeviceError, match="is not <cluster-uuid>/<clique-id>"):
-        SimulatedBackend("gb200-nvl72", "n", tmp_path / "x", fabric="rack-a/one")
+        SimulatedBackend("gb200-tray", "n", tmp_path / "x", fabric="rack-a/one")

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dra_driver.node.api_base import quantity_bytes
 from dra_driver.node.claims import AllocationResult, ConfigSource, OpaqueConfig
 from dra_driver.node.config import (
     API_VERSION,
@@ -23,7 +24,6 @@ from dra_driver.node.config import (
     decode_config,
     effective_config,
     json_schemas,
-    quantity_bytes,
 )
 
 from .builders import gpu_config
@@ -118,8 +118,9 @@ def test_defaults_are_exclusive() -> None:
             "sharing.timeSlicing: Extra inputs are not permitted",
         ),
         (
-            {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig"},
-            "apiVersion: 'resource.nvidia.com/v1beta1' is not served; use resource.dra-driver.dev/v1alpha1",
+            {"apiVersion": "resource.nvidia.com/v1", "kind": "GpuConfig"},
+            "apiVersion: 'resource.nvidia.com/v1' is not served; use resource.dra-driver.dev/v1alpha1 "
+            "(or NVIDIA's resource.nvidia.com/v1beta1)",
         ),
         (
             {"apiVersion": API_VERSION, "kind": "TpuConfig"},

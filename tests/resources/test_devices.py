@@ -110,10 +110,31 @@ def test_a_full_gpu_carries_nvidias_attributes_and_capacities() -> None:
             "pciVendorID": {"string": "0x10de"},
             "pciDeviceID": {"string": "0x2330"},
             "resource.kubernetes.io/pciBusID": {"string": "0000:18:00.0"},
+            "pcieBusID": {"string": "0000:18:00.0"},  # NVIDIA's name for it up to v25.8
             "resource.kubernetes.io/pcieRoot": {"string": "pci0000:17"},
         },
-        "capacity": {"memory": {"value": str(81559 * MIB)}, "multiprocessors": {"value": "132"}},
+        "capacity": {
+            "memory": {"value": str(81559 * MIB)},
+            "multiprocessors": {"value": "132"},
+            # MIG-capable: the engines of its largest profile (7g.80gb), as NVIDIA publishes them.
+            "copyEngines": {"value": "8"},
+            "decoders": {"value": "7"},
+            "encoders": {"value": "0"},
+            "jpegEngines": {"value": "7"},
+            "ofaEngines": {"value": "1"},
+        },
     }
+
+
+def test_a_gpu_without_mig_has_no_engine_capacities_and_one_on_grace_has_an_addressing_mode() -> None:
+    l4 = replace(h100(0), mig_capable=False, mig_profiles=(), memory_slices=0)
+    grace = replace(h100(1), addressing_mode="ATS")
+    plain, coherent = (
+        gpu.devices[0] for gpu in build_devices(inventory(l4, grace), partition=partition_none)
+    )
+    assert set(plain["capacity"]) == {"memory", "multiprocessors"}
+    assert "addressingMode" not in plain["attributes"]
+    assert coherent["attributes"]["addressingMode"] == {"string": "ATS"}
 
 
 def test_pcie_root_is_published_only_when_known() -> None:
@@ -289,6 +310,11 @@ def test_a_static_mig_device_is_published_with_its_uuid_and_its_slices_are_not_o
     assert strings(concrete)["uuid"] == static.uuid
     assert strings(concrete)["type"] == "mig"
     assert "consumesCounters" not in concrete
+    # The memory slices it occupies, as NVIDIA's driver publishes them for a MIG device that exists.
+    assert {k: v for k, v in concrete["capacity"].items() if k.startswith("memorySlice")} == {
+        f"memorySlice{i}": {"value": "1"} for i in range(4)
+    }
+    assert not any(k.startswith("memorySlice") for k in devices["gpu-1-mig-1g5gb-19-4"]["capacity"])
     assert "gpu-1" not in devices
     offered = {name for name, device in devices.items() if "consumesCounters" in device}
     # Only what fits in slices 4-7 next to the static 3g.20gb.

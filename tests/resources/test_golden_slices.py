@@ -139,7 +139,7 @@ def test_every_mig_capable_simulated_gpu_and_node_has_golden_slices() -> None:
         "dgx-b200",
         "dgx-h100",
         "dgx-h200",
-        "gb200-nvl72",
+        "gb200-tray",
         "hgx-h100-16",
         "mixed",
     }

@@ -43,3 +43,11 @@ does not start with "gpu." gets "mig." in front.
 {{- define "dra-driver-gpu.httpPort" -}}
 {{- regexFind "[0-9]+$" .Values.httpAddress -}}
 {{- end -}}
+
+{{/*
+gpu.nvidia.com -> maintenance.nvidia.com: the class of the GPUs' maintenance devices, which only
+admin-access requests may use (templates/maintenance.yaml).
+*/}}
+{{- define "dra-driver-gpu.maintenanceClassName" -}}
+{{- .Values.deviceClasses.maintenance.name | default (printf "maintenance.%s" (trimPrefix "gpu." .Values.driverName)) -}}
+{{- end -}}

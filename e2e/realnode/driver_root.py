@@ -1,0 +1,52 @@
+"""A simulated GPU host's driver root: the files a GPU container gets from the NVIDIA driver.
+
+The driver (`--simulate`) finds its libraries here exactly as on a GPU host, so its CDI specs mount
+them into containers; the device nodes are real character devices with NVIDIA's major numbers
+(made with mknod), as the driver container of NVIDIA's GPU operator has them under its root. No
+NVIDIA kernel module exists, so opening one fails (ENXIO): what a container checks is that it was
+given the node, which runc creates from the numbers in the CDI spec.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from dra_driver.devices.sim_nodes import NVIDIA_MAJOR, node_profile
+from dra_driver.devices.simulated import CONTROL_NODES, DRIVER_VERSION, NVIDIA_CAPS_MAJOR
+
+LIBRARY_DIR = "usr/lib/x86_64-linux-gnu"
+LIBRARIES = ("libcuda", "libnvidia-ml", "libnvidia-ptxjitcompiler")
+
+
+def make_driver_root(root: Path, profile: str) -> None:
+    """Fills `root` for the GPUs of node profile `profile` (dra-driver inventory --list-profiles)."""
+    gpus = len(node_profile(profile).gpu_models)
+    libraries = root / LIBRARY_DIR
+    libraries.mkdir(parents=True, exist_ok=True)
+    for name in LIBRARIES:
+        versioned = libraries / f"{name}.so.{DRIVER_VERSION}"
+        versioned.write_text(f"simulated {name} {DRIVER_VERSION}: the driver's files reach the container\n")
+        link = libraries / f"{name}.so.1"
+        if not link.is_symlink():
+            link.symlink_to(versioned.name)
+    binaries = root / "usr" / "bin"
+    binaries.mkdir(parents=True, exist_ok=True)
+    smi = binaries / "nvidia-smi"
+    smi.write_text(
+        "#!/bin/sh\necho 'simulated nvidia-smi: no NVIDIA kernel module on this host' >&2\nexit 9\n"
+    )
+    smi.chmod(0o755)
+    dev = root / "dev"
+    nodes = [(f"nvidia{minor}", NVIDIA_MAJOR, minor) for minor in range(gpus)]
+    nodes += [(node.path.removeprefix("/dev/"), node.major, node.minor) for node in CONTROL_NODES]
+    nodes += [
+        ("nvidia-caps/nvidia-cap1", NVIDIA_CAPS_MAJOR, 1),
+        ("nvidia-caps/nvidia-cap2", NVIDIA_CAPS_MAJOR, 2),
+    ]
+    for name, major, minor in nodes:
+        path = dev / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(major, minor))

@@ -1,0 +1,175 @@
+"""Claims written for NVIDIA's DRA driver, unchanged, against this driver deployed as gpu.nvidia.com.
+
+A simulated GB200 tray (Grace, so it has an addressing mode) runs the driver under NVIDIA's driver
+name with NVIDIA's DeviceClasses (docs/examples/nvidia/deviceclasses.yaml); GPU 3 holds a MIG device
+an administrator made. Every example selector of docs/nvidia-compatibility.md's table goes through
+the real scheduler in a claim of each device class its row names, and NVIDIA's config API reaches
+the container, or is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dra_driver.node.nvidia_config import NVIDIA_DRIVER_NAME
+from e2e import manifests
+from e2e.cluster import ClusterInfo, JsonObject, RestClient
+from e2e.daemon import wait_until
+from e2e.gpu_node import GpuNode, published_devices
+from e2e.workloads import delete_pod, pod_claim, wait_running
+from tests.nvidia_table import Row, read_table
+
+pytestmark = pytest.mark.e2e
+
+PROFILE = "gb200-tray"
+NVIDIA_EXAMPLES = manifests.EXAMPLES / "nvidia"
+STATIC_MIG = "gpu-3-mig-3g93gb-9-4"  # made by "the administrator" before the tests
+CLASS_OF = {"gpu": "gpu.nvidia.com", "mig": "mig.nvidia.com", "existing mig": "mig.nvidia.com"}
+CASES = [
+    pytest.param(row, kind, id=f"{row.name}-{kind.replace(' ', '-')}")
+    for row in read_table()
+    for kind in sorted(row.devices)
+]
+
+
+@pytest.fixture(scope="module")
+def nvidia_device_classes(cluster: ClusterInfo) -> Iterator[None]:
+    rest = cluster.rest()
+    classes = manifests.load(NVIDIA_EXAMPLES / "deviceclasses.yaml")
+    for device_class in classes:
+        rest.create(manifests.collection("DeviceClass"), device_class)
+    yield
+    for device_class in classes:
+        rest.delete(manifests.object_path(device_class))
+
+
+@pytest.fixture(scope="module")
+def gpu_node(
+    cluster: ClusterInfo,
+    kubelet_harness_binary: Path,
+    nvidia_device_classes: None,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[GpuNode]:
+    """The GB200 tray, its driver named gpu.nvidia.com, with a static MIG device on GPU 3."""
+    node = GpuNode(
+        cluster,
+        kubelet_harness_binary,
+        tmp_path_factory.mktemp("node-nvidia"),
+        "node-nvidia",
+        profile=PROFILE,
+        driver_args=["--mig-partitions=all"],
+        driver_name=NVIDIA_DRIVER_NAME,
+    )
+    try:
+        node.start()
+        simulate(node, "mig-mode", "--gpu=3")
+        simulate(node, "create-mig", "--gpu=3", "--profile=3g.93gb", "--start=4")
+        rest = cluster.rest()
+        wait_until(
+            lambda: (
+                "uuid"
+                in published_devices(rest, node.name, NVIDIA_DRIVER_NAME)
+                .get(STATIC_MIG, {})
+                .get("attributes", {})
+            ),
+            timeout_seconds=30,
+            waiting_for="the static MIG device to be published",
+        )
+        yield node
+    finally:
+        node.remove()
+
+
+def simulate(node: GpuNode, *args: str) -> str:
+    argv = [sys.executable, "-m", "dra_driver", "simulate", *args]
+    argv += [f"--simulate={PROFILE}", f"--node-name={node.name}", f"--data-dir={node.driver.paths.data}"]
+    return subprocess.run(argv, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def claim_and_pod(name: str, device_class: str, selector: str | None, node: str) -> list[JsonObject]:
+    exactly: dict[str, Any] = {"deviceClassName": device_class}
+    if selector is not None:
+        exactly["selectors"] = [{"cel": {"expression": selector}}]
+    claim = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}},
+    }
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "resourceClaims": [{"name": "gpu", "resourceClaimName": name}],
+            "containers": [
+                {"name": "app", "image": "ubuntu:24.04", "resources": {"claims": [{"name": "gpu"}]}}
+            ],
+        },
+    }
+    return manifests.pinned([claim, pod], node)
+
+
+@pytest.mark.parametrize(("row", "kind"), CASES)
+def test_each_nvidia_attribute_selects_through_the_real_scheduler(
+    rest: RestClient, node: GpuNode, namespace: str, row: Row, kind: str
+) -> None:
+    manifests.apply(rest, claim_and_pod("pick", CLASS_OF[kind], row.selector, node.name), namespace)
+
+    claim = pod_claim(rest, wait_running(rest, namespace, "pick"), "gpu")
+
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    assert result["driver"] == NVIDIA_DRIVER_NAME
+    device = published_devices(rest, node.name, NVIDIA_DRIVER_NAME)[result["device"]]
+    assert device["attributes"]["type"]["string"] == ("gpu" if kind == "gpu" else "mig")
+    published = device["attributes"] if row.kind == "attribute" else device["capacity"]
+    assert any(name.startswith(row.name.replace("<N>", "")) for name in published), row.name
+    if kind == "existing mig":
+        assert result["device"] == STATIC_MIG
+    delete_pod(rest, namespace, "pick")
+
+
+def test_nvidias_time_slicing_example_reaches_both_containers(
+    rest: RestClient, node: GpuNode, namespace: str
+) -> None:
+    manifests.apply_example(rest, NVIDIA_EXAMPLES / "time-sliced-gpu.yaml", namespace, node_name=node.name)
+
+    claim = pod_claim(rest, wait_running(rest, namespace, "nvidia-time-sliced"), "gpu")
+
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    spec = json.loads(node.driver.spec_path(claim["metadata"]["uid"]).read_text())
+    assert spec["kind"] == "k8s.gpu.nvidia.com/claim"
+    env = [variable for device in spec["devices"] for variable in device["containerEdits"].get("env", [])]
+    suffix = result["device"].upper().replace("-", "_")
+    assert f"DRA_GPU_SHARING_STRATEGY_{suffix}=TimeSlicing" in env
+    assert f"DRA_GPU_TIME_SLICE_INTERVAL_{suffix}=Long" in env
+
+
+def test_vfio_passthrough_is_refused_with_the_reason(rest: RestClient, node: GpuNode, namespace: str) -> None:
+    objects = claim_and_pod("vfio", "gpu.nvidia.com", None, node.name)
+    objects[0]["spec"]["devices"]["config"] = [
+        {
+            "opaque": {
+                "driver": NVIDIA_DRIVER_NAME,
+                "parameters": {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "VfioDeviceConfig"},
+            }
+        }
+    ]
+    manifests.apply(rest, objects, namespace)
+
+    events = f"/api/v1/namespaces/{namespace}/events"
+    selector = "involvedObject.kind=Pod,involvedObject.name=vfio,reason=FailedPrepareDynamicResources"
+
+    def failure() -> str | None:
+        items: list[JsonObject] = rest.request("GET", events, query={"fieldSelector": selector})["items"]
+        return str(items[0]["message"]) if items else None
+
+    message = wait_until(failure, timeout_seconds=60, waiting_for="a FailedPrepareDynamicResources event")
+    assert "kind: VfioDeviceConfig of resource.nvidia.com/v1beta1: VFIO passthrough" in message
