@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 from dra_driver import kube
 from dra_driver.cdi.spec import CommonEdits, common_edits
 from dra_driver.cdi.store import SpecStore
+from dra_driver.computedomain.plugin import ComputeDomainPlugin
 from dra_driver.devices.backend import Backend, DeviceError
 from dra_driver.devices.backends import open_backend
 from dra_driver.devices.driver_root import find_cdi_hook, find_driver_files, parse_capabilities
@@ -336,6 +337,7 @@ async def run_plugin(settings: Settings, stop: asyncio.Event | None = None) -> N
             settings.state_dir,
             settings.node_name,
             driver_root=settings.driver_root_mount or settings.driver_root,
+            simulated_fabric=settings.simulate_fabric,
         )
         held.push_async_callback(asyncio.to_thread, backend.close)
         inventory = await asyncio.to_thread(backend.inventory)
@@ -362,11 +364,12 @@ async def _serve(
     state_dir = settings.state_dir
     health = HealthBoard()
     policy = taint_policy(settings)
+    own_node_uid = await node_uid(api, settings.node_name)
     publisher = SlicePublisher(
         api,
         driver=settings.driver_name,
         node_name=settings.node_name,
-        node_uid=await node_uid(api, settings.node_name),
+        node_uid=own_node_uid,
     )
 
     labeller = NodeLabeller(api, settings.node_name) if settings.node_labels else None
@@ -442,15 +445,32 @@ async def _serve(
     def readiness() -> str | None:
         if not plugin.registration.registered.is_set():
             return plugin.registration.error or "not registered with the kubelet yet"
-        if not publisher.synced:
+        if not publisher.synced or not compute_domains.synced:
             return "ResourceSlices not published yet"
         return None
+
+    # The second driver, compute-domain.<domain>, on nodes of a multi-node NVLink clique.
+    compute_domains = ComputeDomainPlugin(
+        gpu_driver=settings.driver_name,
+        node_name=settings.node_name,
+        node_uid=own_node_uid,
+        api=api,
+        inventory=inventory,
+        state_dir=state_dir / "compute-domains",
+        cdi_dir=settings.cdi_dir,
+        plugins_dir=settings.plugins_dir,
+        registry_dir=settings.registry_dir,
+        pod_uid=settings.pod_uid or None,
+        simulated=bool(settings.simulate),
+    )
 
     if status is not None:
         status.readiness = readiness
     tasks: list[asyncio.Task[None]] = []
     try:
         await plugin.start()
+        if settings.compute_domains:
+            await compute_domains.start()
         log.info(
             "serving the kubelet",
             dra_socket=str(plugin.dra_socket),
@@ -464,10 +484,12 @@ async def _serve(
             asyncio.create_task(gpu_health.run()),
             asyncio.create_task(claim_status.run()),
             *([asyncio.create_task(labeller.run())] if labeller else []),
+            *(asyncio.create_task(task) for task in compute_domains.tasks()),
         ]
         await _until_stopped(stop, tasks)
     finally:
         log.info("shutting down")
+        await compute_domains.stop()
         await plugin.stop()
         await preparer.drain(DRAIN_SECONDS)  # before run_plugin closes the backend and the API client
         for task in tasks:

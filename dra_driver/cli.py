@@ -2,7 +2,8 @@
 
 * ``kubelet-plugin``: the node daemon (what the DaemonSet runs);
 * ``inventory``: the node's GPUs and the exact ResourceSlices the daemon would publish, offline;
-* ``simulate``: change the simulated GPUs (faults, busy GPUs, MIG made by an administrator).
+* ``simulate``: change the simulated GPUs (faults, busy GPUs, MIG made by an administrator);
+* ``compute-domain-controller`` and ``compute-domain-daemon``: ComputeDomains (multi-node NVLink).
 
 Whatever the user got wrong (a flag, an env var, a kubeconfig, a directory, a GPU that is not
 there) ends the command in :func:`main` with one line on stderr and a non-zero exit; see
@@ -32,6 +33,7 @@ from dra_driver.cli_settings import (
     settings_from,
     unknown_env_settings,
 )
+from dra_driver.computedomain.cli import add_commands as add_compute_domain_commands
 from dra_driver.devices.backend import DeviceError
 from dra_driver.devices.backends import open_backend
 from dra_driver.devices.sim_nodes import NODE_PROFILES
@@ -173,6 +175,8 @@ def _parser() -> argparse.ArgumentParser:
         if name == "mig-mode":
             action.add_argument("--off", action="store_true", help="disable instead of enable")
         action.set_defaults(run=_simulate)
+
+    add_compute_domain_commands(commands)
     return parser
 
 

@@ -72,6 +72,20 @@ class Settings(BaseSettings):
             "(see `dra-driver inventory --list-profiles`). Empty: the real NVML backend."
         ),
     ] = ""
+    simulate_fabric: Annotated[
+        str,
+        Field(
+            description="NVLink fabric of simulated gb200-tray GPUs: <cluster-uuid>/<clique-id> or "
+            "<clique-id>; nodes with the same value form one clique. Empty: the default clique."
+        ),
+    ] = ""
+    compute_domains: Annotated[
+        bool,
+        Field(
+            description="Serve ComputeDomains (multi-node NVLink) as the second driver "
+            "compute-domain.<domain> on nodes whose GPUs share one NVLink clique."
+        ),
+    ] = True
     kubeconfig: Annotated[
         Path | None,
         Field(description="Kubeconfig file; unset: the in-cluster service account."),

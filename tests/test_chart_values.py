@@ -258,11 +258,36 @@ def test_chart_passes_helm_lint_strict(helm: Path, values_file: Path | None) -> 
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def _compute_domain_object(manifest: Manifest) -> bool:
+    """Part of ComputeDomains (compute-domains.yaml), not of the kubelet plugin."""
+    return "compute-domain" in manifest["metadata"]["name"] or manifest["kind"] == "CustomResourceDefinition"
+
+
+def test_compute_domains_use_nvidias_names_when_deployed_as_nvidia(helm: Path) -> None:
+    manifests = render(helm, {"driverName": "gpu.nvidia.com"})
+    (crd,) = of_kind(manifests, "CustomResourceDefinition")
+    assert crd["metadata"]["name"] == "computedomains.resource.nvidia.com"
+    assert [v["name"] for v in crd["spec"]["versions"]] == ["v1beta1"]
+    classes = {m["metadata"]["name"] for m in of_kind(manifests, "DeviceClass")}
+    assert {"compute-domain-default-channel.nvidia.com", "compute-domain-daemon.nvidia.com"} <= classes
+    (deployment,) = of_kind(manifests, "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["dra-driver", "compute-domain-controller"]
+    ours = render(helm, {})
+    (crd,) = of_kind(ours, "CustomResourceDefinition")
+    assert crd["metadata"]["name"] == "computedomains.resource.dra-driver.dev"
+
+
+def test_compute_domains_can_be_left_out(helm: Path) -> None:
+    manifests = render(helm, {"computeDomainController": {"enabled": False}})
+    assert not [m for m in manifests if _compute_domain_object(m)]
+
+
 @pytest.mark.parametrize("values_file", VALUES_FILES, ids=VALUES_IDS)
 def test_the_account_the_pods_run_as_is_the_one_bound_and_policed(
     helm: Path, values_file: Path | None
 ) -> None:
-    manifests = render(helm, values_file=values_file)
+    manifests = [m for m in render(helm, values_file=values_file) if not _compute_domain_object(m)]
     given = yaml.safe_load(values_file.read_text()) if values_file else {}
     account = pod_spec(manifests)["serviceAccountName"]
 
@@ -283,7 +308,9 @@ def test_the_account_the_pods_run_as_is_the_one_bound_and_policed(
 
 def test_device_classes_follow_the_driver_name(helm: Path) -> None:
     def classes(driver: str | None) -> dict[str, str]:
-        manifests = render(helm, {"driverName": driver} if driver else {})
+        manifests = [
+            m for m in render(helm, {"driverName": driver} if driver else {}) if not _compute_domain_object(m)
+        ]
         return {
             m["metadata"]["name"]: m["spec"]["selectors"][0]["cel"]["expression"]
             for m in of_kind(manifests, "DeviceClass")
@@ -342,7 +369,7 @@ def test_probes_ask_the_daemons_health_endpoint(helm: Path, values_file: Path | 
 
 def test_the_webhook_service_reaches_its_pods_with_the_certificate_it_names(helm: Path) -> None:
     manifests = render(helm, {"webhook": {"enabled": True}})
-    (deployment,) = of_kind(manifests, "Deployment")
+    (deployment,) = [d for d in of_kind(manifests, "Deployment") if d["metadata"]["name"].endswith("-webhook")]
     (configuration,) = of_kind(manifests, "ValidatingWebhookConfiguration")
     (service,) = [s for s in of_kind(manifests, "Service") if s["metadata"]["name"].endswith("-webhook")]
     pod = deployment["spec"]["template"]
@@ -414,6 +441,17 @@ def test_examples_use_the_device_classes_the_chart_installs(helm: Path) -> None:
         if document["kind"] == "DeviceClass":  # for clusters without the chart: the same class
             name = document["metadata"]["name"]
             assert json.loads(json.dumps(document["spec"])) == installed[name]["spec"], path
+
+
+def test_the_plugins_selector_takes_no_other_pod_of_the_chart(helm: Path) -> None:
+    manifests = render(helm, {"webhook": {"enabled": True}})
+    (daemonset,) = of_kind(manifests, "DaemonSet")
+    plugin = daemonset["spec"]["selector"]["matchLabels"].items()
+    deployments = of_kind(manifests, "Deployment")
+    assert len(deployments) == 2  # the webhook and the ComputeDomain controller
+    for deployment in deployments:
+        labels = deployment["spec"]["template"]["metadata"]["labels"].items()
+        assert not plugin <= labels, deployment["metadata"]["name"]
 
 
 def test_the_default_namespace_is_refused_unless_allowed(helm: Path) -> None:

@@ -18,14 +18,16 @@ def open_backend(
     procfs_root: Path = Path("/proc"),
     dev_root: Path = Path("/"),
     driver_root: Path | None = None,
+    simulated_fabric: str = "",
 ) -> Backend:
     """Simulated GPUs of node profile ``simulate`` (state kept in ``data_dir``), else the real ones via NVML.
 
-    ``driver_root`` is where this process sees the NVIDIA driver, to load NVML from.
+    ``driver_root`` is where this process sees the NVIDIA driver, to load NVML from;
+    ``simulated_fabric`` places simulated NVL72 GPUs in an NVLink clique.
     Raises DeviceError when the profile is unknown or NVML cannot start.
     """
     if simulate:
-        return SimulatedBackend(simulate, node_name, data_dir)
+        return SimulatedBackend(simulate, node_name, data_dir, fabric=simulated_fabric)
     if driver_root is not None and dev_root == Path("/") and (driver_root / "dev" / "nvidiactl").exists():
         # A driver container that creates the device nodes in its own root (as NVIDIA's toolkit
         # decides its "dev root": the driver root when it holds /dev/nvidiactl, else /).

@@ -45,6 +45,7 @@ import structlog
 from dra_driver.devices.backend import DeviceError, DeviceInUseError, PlacementUnavailableError
 from dra_driver.devices.catalog import load_catalog
 from dra_driver.devices.driver_root import LIBRARY_DIRS, find_in
+from dra_driver.devices.fabric import fabric_from_nvml
 from dra_driver.devices.naming import (
     ARCHITECTURE_HOPPER,
     GPU_INSTANCE_PROFILE_COUNT,
@@ -54,7 +55,7 @@ from dra_driver.devices.naming import (
     normalize_pci_bus_id,
     split_pci_device_id,
 )
-from dra_driver.devices.types import DeviceNode, Gpu, Inventory, MigDevice, MigProfile, Placement
+from dra_driver.devices.types import DeviceNode, FabricInfo, Gpu, Inventory, MigDevice, MigProfile, Placement
 
 log = structlog.get_logger(__name__)
 
@@ -372,7 +373,19 @@ class NvmlBackend:
             mig_profiles=profiles,
             mig_devices=mig_devices,
             reserved_placements=reserved,
+            fabric=self._fabric(handle),
         )
+
+    @staticmethod
+    def _fabric(handle: Any) -> FabricInfo | None:
+        """The GPU's NVLink fabric info; None where the GPU or the driver has none (pre-Hopper)."""
+        info = pynvml.c_nvmlGpuFabricInfo_t()
+        try:
+            pynvml.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(info))
+        except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
+            return None
+        status = str(info.status)
+        return fabric_from_nvml(bytes(info.clusterUuid), int(info.cliqueId), int(info.state), status)
 
     @staticmethod
     def _mig_mode(handle: Any) -> int | None:

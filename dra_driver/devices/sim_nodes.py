@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from dra_driver.devices.backend import DeviceError
 from dra_driver.devices.catalog import GpuModel, gpu_model
-from dra_driver.devices.types import DeviceNode, Gpu
+from dra_driver.devices.types import DeviceNode, FabricInfo, FabricState, Gpu
 
 NVIDIA_MAJOR = 195  # /dev/nvidia<minor>, /dev/nvidiactl (255) and /dev/nvidia-modeset (254)
 
@@ -29,6 +29,8 @@ class NodeProfile:
     name: str
     description: str
     gpu_models: tuple[str, ...]  # catalog keys, in PCI order
+    # Whether the GPUs are part of a multi-node NVLink fabric (NVML reports fabric info).
+    nvlink_fabric: bool = False
 
 
 def _same(count: int, model: str) -> tuple[str, ...]:
@@ -44,7 +46,14 @@ NODE_PROFILES: dict[str, NodeProfile] = {
         NodeProfile("dgx-a100-80gb", "8x NVIDIA A100-SXM4-80GB (DGX A100)", _same(8, "a100-sxm4-80gb")),
         NodeProfile("dgx-h200", "8x NVIDIA H200 (DGX H200)", _same(8, "h200-sxm-141gb")),
         NodeProfile("dgx-b200", "8x NVIDIA B200 (DGX B200)", _same(8, "b200-180gb")),
-        NodeProfile("gb200-tray", "4x NVIDIA GB200 (an NVL72 compute tray; Grace: ATS)", _same(4, "gb200")),
+        # One compute tray of a GB200 NVL72 rack: two GB200 superchips of one Grace CPU and two
+        # Blackwell GPUs each, 18 trays per rack on one NVLink domain (NVIDIA's GB200 NVL72 spec).
+        NodeProfile(
+            "gb200-tray",
+            "4x NVIDIA GB200 (an NVL72 compute tray; Grace: ATS; multi-node NVLink)",
+            _same(4, "gb200"),
+            nvlink_fabric=True,
+        ),
         NodeProfile("l4x4", "4x NVIDIA L4", _same(4, "l4")),
         NodeProfile(
             "mixed",
@@ -53,6 +62,42 @@ NODE_PROFILES: dict[str, NodeProfile] = {
         ),
     )
 }
+
+
+# The NVLink domain every simulated NVL72 tray joins unless told otherwise (--simulate-fabric).
+DEFAULT_CLUSTER_UUID = str(uuid.uuid5(_UUID_NAMESPACE, "nvlink-cluster/0"))
+DEFAULT_CLIQUE_ID = 1
+
+
+def parse_fabric(text: str) -> FabricInfo:
+    """``<cluster-uuid>/<clique-id>`` (or just ``<clique-id>``, in the default cluster) as fabric info."""
+    cluster, _, clique = text.strip().rpartition("/")
+    try:
+        clique_id = int(clique)
+        cluster_uuid = str(uuid.UUID(cluster)) if cluster else DEFAULT_CLUSTER_UUID
+    except ValueError:
+        raise DeviceError(
+            f"simulated fabric {text!r} is not <cluster-uuid>/<clique-id> or <clique-id>, "
+            f"e.g. {DEFAULT_CLUSTER_UUID}/{DEFAULT_CLIQUE_ID}"
+        ) from None
+    if not 0 <= clique_id < 2**32:
+        raise DeviceError(f"simulated fabric {text!r}: the clique id must be a 32-bit unsigned number")
+    return FabricInfo(cluster_uuid=cluster_uuid, clique_id=clique_id, state=FabricState.COMPLETED)
+
+
+def profile_fabric(profile: NodeProfile, setting: str = "") -> FabricInfo | None:
+    """The fabric info the node's GPUs report: ``setting`` if given, the default domain otherwise;
+    None for a profile without multi-node NVLink (a fabric setting for it is an error)."""
+    if not profile.nvlink_fabric:
+        if setting:
+            raise DeviceError(
+                f"simulated node profile {profile.name} has no multi-node NVLink; "
+                "a fabric can be given only for gb200-tray"
+            )
+        return None
+    if setting:
+        return parse_fabric(setting)
+    return FabricInfo(cluster_uuid=DEFAULT_CLUSTER_UUID, clique_id=DEFAULT_CLIQUE_ID)
 
 
 def node_profile(name: str) -> NodeProfile:
@@ -77,7 +122,9 @@ def pci_location(index: int, gpu_count: int) -> tuple[str, str]:
     return f"0000:{bus:02x}:00.0", f"pci0000:{root:02x}"
 
 
-def _gpu(node_name: str, index: int, gpu_count: int, model: GpuModel) -> Gpu:
+def _gpu(
+    node_name: str, index: int, gpu_count: int, model: GpuModel, fabric: FabricInfo | None = None
+) -> Gpu:
     bus_id, pcie_root = pci_location(index, gpu_count)
     return Gpu(
         uuid=gpu_uuid(node_name, index),
@@ -99,10 +146,13 @@ def _gpu(node_name: str, index: int, gpu_count: int, model: GpuModel) -> Gpu:
         memory_slices=model.memory_slices,
         mig_profiles=model.mig_profiles,
         addressing_mode=model.addressing_mode,
+        fabric=fabric,
     )
 
 
-def node_gpus(profile: NodeProfile, node_name: str) -> tuple[tuple[Gpu, GpuModel], ...]:
+def node_gpus(
+    profile: NodeProfile, node_name: str, fabric: FabricInfo | None = None
+) -> tuple[tuple[Gpu, GpuModel], ...]:
     """The node's GPUs in their power-on state (MIG off, no MIG devices), each with its model."""
     models = [gpu_model(key) for key in profile.gpu_models]
-    return tuple((_gpu(node_name, i, len(models), m), m) for i, m in enumerate(models))
+    return tuple((_gpu(node_name, i, len(models), m, fabric), m) for i, m in enumerate(models))

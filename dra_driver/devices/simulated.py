@@ -37,7 +37,7 @@ from pathlib import Path
 
 from dra_driver.devices.backend import DeviceError, DeviceInUseError, PlacementUnavailableError
 from dra_driver.devices.catalog import GpuModel
-from dra_driver.devices.sim_nodes import NVIDIA_MAJOR, NodeProfile, node_gpus, node_profile
+from dra_driver.devices.sim_nodes import NVIDIA_MAJOR, NodeProfile, node_gpus, node_profile, profile_fabric
 from dra_driver.devices.sim_state import SimGpu, SimMigDevice, SimState, StateFile
 from dra_driver.devices.types import DeviceNode, Gpu, Inventory, MigDevice, MigProfile, Placement
 
@@ -115,10 +115,12 @@ class SimulatedBackend:
         state_dir: Path,
         *,
         boot_id_path: Path = DEFAULT_BOOT_ID_PATH,
+        fabric: str = "",
     ) -> None:
+        """``fabric`` (``<cluster-uuid>/<clique-id>``) places an NVL72 node in an NVLink clique."""
         self.profile: NodeProfile = node_profile(profile)
         self.node_name = node_name
-        self._gpus = node_gpus(self.profile, node_name)
+        self._gpus = node_gpus(self.profile, node_name, profile_fabric(self.profile, fabric))
         self._state = StateFile(state_dir / STATE_FILE_NAME)
         self._boot_id_path = boot_id_path
 

@@ -76,6 +76,34 @@ class MigDevice:
     cap_nodes: tuple[DeviceNode, ...] = ()
 
 
+class FabricState(Enum):
+    """``nvmlGpuFabricState_t``: how far the GPU got registering with the NVLink fabric."""
+
+    NOT_SUPPORTED = "NotSupported"  # no multi-node NVLink (NVML_GPU_FABRIC_STATE_NOT_SUPPORTED)
+    NOT_STARTED = "NotStarted"
+    IN_PROGRESS = "InProgress"
+    COMPLETED = "Completed"
+
+
+@dataclass(frozen=True)
+class FabricInfo:
+    """A GPU's place in a multi-node NVLink fabric (``nvmlDeviceGetGpuFabricInfoV``).
+
+    GPUs that can exchange memory over NVLink (through IMEX) share one cluster UUID and one
+    clique id; the pair names the NVLink partition, e.g. one GB200 NVL72 rack.
+    """
+
+    cluster_uuid: str  # RFC 4122 text; all zeros until registration completed
+    clique_id: int
+    state: FabricState = FabricState.COMPLETED
+    status: str = "Success"  # NVML's nvmlReturn_t text for the registration result
+
+    @property
+    def clique(self) -> str:
+        """``<clusterUUID>.<cliqueId>``: the clique as NVIDIA's driver names it (node label, status)."""
+        return f"{self.cluster_uuid}.{self.clique_id}"
+
+
 @dataclass(frozen=True)
 class Gpu:
     """One physical GPU."""
@@ -103,6 +131,7 @@ class Gpu:
     memory_slices: int = 0
     mig_profiles: tuple[MigProfile, ...] = ()
     mig_devices: tuple[MigDevice, ...] = ()
+    fabric: FabricInfo | None = None  # None: NVML reports no fabric info (no multi-node NVLink)
     # GPU instances that are no usable MIG device (no compute instance, or several): the profile name
     # and placement of each. Their memory slices are taken, so nothing overlapping them is offered.
     reserved_placements: tuple[tuple[str, Placement], ...] = ()

@@ -7,6 +7,7 @@ import re
 import pytest
 
 from dra_driver.devices.backend import DeviceError
+from dra_driver.devices.fabric import node_clique
 from dra_driver.devices.sim_nodes import NODE_PROFILES
 from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import DeviceNode
@@ -133,3 +134,31 @@ def test_inventory_renders_as_json_data(tmp_path):
         "minor": 0,
         "host_path": None,
     }
+
+
+def test_nvl72_trays_report_the_clique_they_are_configured_for(tmp_path):
+    cluster = "8a2d6e1c-1b1e-4a3e-9f0a-2b6c1d7e5f40"
+    one = SimulatedBackend("gb200-tray", "tray-1", tmp_path / "1", fabric=f"{cluster}/1").inventory()
+    two = SimulatedBackend("gb200-tray", "tray-2", tmp_path / "2", fabric=f"{cluster}/2").inventory()
+    assert {g.fabric.clique for g in one.gpus if g.fabric} == {f"{cluster}.1"}
+    assert {g.fabric.clique for g in two.gpus if g.fabric} == {f"{cluster}.2"}
+    assert node_clique(one).clique != node_clique(two).clique
+
+
+def test_nvl72_trays_share_the_default_clique_unless_told(tmp_path):
+    one = SimulatedBackend("gb200-tray", "tray-1", tmp_path / "1").inventory()
+    two = SimulatedBackend("gb200-tray", "tray-2", tmp_path / "2").inventory()
+    assert node_clique(one).clique
+    assert node_clique(one) == node_clique(two)
+
+
+def test_gpus_without_multi_node_nvlink_have_no_fabric(tmp_path):
+    inventory = _backend(tmp_path, "dgx-h100").inventory()
+    assert all(g.fabric is None for g in inventory.gpus)
+    with pytest.raises(DeviceError, match="no multi-node NVLink"):
+        SimulatedBackend("dgx-h100", "n", tmp_path / "x", fabric="1")
+
+
+def test_a_malformed_fabric_is_refused_with_the_expected_form(tmp_path):
+    with pytest.raises(DeviceError, match="is not <cluster-uuid>/<clique-id>"):
+        SimulatedBackend("gb200-tray", "n", tmp_path / "x", fabric="rack-a/one")

@@ -1,0 +1,138 @@
+"""The commands ``compute-domain-controller`` and ``compute-domain-daemon`` of ``dra-driver``.
+
+Their settings follow the daemon's convention: flag ``--daemon-image`` is environment variable
+``DRA_DAEMON_IMAGE`` (flags win), and the chart sets the variables from its
+``computeDomainController`` values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+from dra_driver import kube
+from dra_driver.computedomain.api import Names
+from dra_driver.errors import EXIT_USAGE, StartupError
+from dra_driver.log import configure
+from dra_driver.settings import DEFAULT_DRIVER_NAME, ENV_PREFIX, LogFormat
+from dra_driver.startup import load_kube_configuration
+
+_COMMON: list[tuple[str, Any, str]] = [
+    ("driver_name", DEFAULT_DRIVER_NAME, "the GPU driver's name; every ComputeDomain name derives from it"),
+    ("kubeconfig", "", "kubeconfig file; empty: the in-cluster service account"),
+    ("log_format", LogFormat.AUTO.value, "auto, json or console"),
+    ("log_level", "info", "debug, info, warning or error"),
+]
+_CONTROLLER: list[tuple[str, Any, str]] = [
+    ("namespace", "", "namespace of the IMEX daemons' DaemonSets and claim templates (the controller's own)"),
+    ("daemon_image", "", "image of the IMEX daemon pods (the driver's image)"),
+    ("daemon_ready_timeout_seconds", 300.0, "a daemon not ready for this long gets a condition and an event"),
+    ("resync_seconds", 600.0, "every object is reconciled at least this often"),
+]
+_DAEMON: list[tuple[str, Any, str]] = [
+    ("imex_config_dir", "/imexd", "where prepare mounted the daemon's imexd.cfg and nodes_config.cfg"),
+    ("imex_server_port", 0, "peer port instead of imexd.cfg's SERVER_PORT (0: the file's)"),
+]
+
+
+def add_commands(commands: Any) -> None:
+    controller = commands.add_parser("compute-domain-controller", help="run the ComputeDomain controller")
+    _add_flags(controller, _COMMON + _CONTROLLER)
+    controller.set_defaults(run=_controller)
+    daemon = commands.add_parser(
+        "compute-domain-daemon", help="run a (simulated) IMEX daemon in a ComputeDomain's daemon pod"
+    )
+    _add_flags(daemon, _COMMON + _DAEMON)
+    daemon.set_defaults(run=_daemon)
+
+
+def _add_flags(parser: argparse.ArgumentParser, flags: list[tuple[str, Any, str]]) -> None:
+    for name, default, help_text in flags:
+        env = ENV_PREFIX + name.upper()
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            type=type(default),
+            # A string default goes through `type` too, so a bad variable fails like a bad flag.
+            default=os.environ.get(env, str(default)),
+            help=f"{help_text} [env {env}; default {default}]",
+        )
+
+
+async def _api(kubeconfig: str) -> kube.ApiClient:
+    """The API client, as the node daemon makes it: the kubeconfig given, else the pod's account."""
+    configuration = kube.Configuration()
+    await load_kube_configuration(Path(kubeconfig) if kubeconfig else None, configuration)
+    return kube.ApiClient(configuration)
+
+
+def _setup(args: argparse.Namespace) -> None:
+    try:
+        configure(LogFormat(args.log_format), args.log_level)
+    except ValueError as error:
+        raise StartupError(f"--log-format / DRA_LOG_FORMAT: {error}", exit_code=EXIT_USAGE) from None
+
+
+def _controller(args: argparse.Namespace) -> int:
+    from dra_driver.computedomain.controller import ComputeDomainController
+
+    _setup(args)
+    if not args.namespace:
+        raise StartupError(
+            "--namespace / DRA_NAMESPACE is required (the controller pod's namespace)", exit_code=EXIT_USAGE
+        )
+    if not args.daemon_image:
+        raise StartupError(
+            "--daemon-image / DRA_DAEMON_IMAGE is required (the driver's image)", exit_code=EXIT_USAGE
+        )
+
+    async def run() -> None:
+        api = await _api(args.kubeconfig)
+        try:
+            controller = ComputeDomainController(
+                api,
+                gpu_driver=args.driver_name,
+                namespace=args.namespace,
+                daemon_image=args.daemon_image,
+                daemon_ready_timeout=args.daemon_ready_timeout_seconds,
+                resync_seconds=args.resync_seconds,
+            )
+            await controller.run()
+        finally:
+            await api.close()  # type: ignore[no-untyped-call]
+
+    return _run(run())
+
+
+def _daemon(args: argparse.Namespace) -> int:
+    from dra_driver.computedomain.daemon import DaemonIdentity, run_daemon
+
+    _setup(args)
+    try:
+        DaemonIdentity.from_environment()  # before anything else: say at once what is missing
+    except ValueError as error:
+        raise StartupError(str(error), exit_code=EXIT_USAGE) from None
+
+    async def run() -> None:
+        api = await _api(args.kubeconfig)
+        try:
+            await run_daemon(
+                api, Names(args.driver_name), Path(args.imex_config_dir), args.imex_server_port or None
+            )
+        finally:
+            await api.close()  # type: ignore[no-untyped-call]
+
+    return _run(run())
+
+
+def _run(main: Any) -> int:
+    try:
+        asyncio.run(main)
+    except KeyboardInterrupt:
+        return 0
+    except (ValueError, OSError) as error:  # e.g. the peer port is taken, imexd.cfg unreadable
+        raise StartupError(str(error)) from None
+    return 0

@@ -1,0 +1,380 @@
+"""``dra-driver compute-domain-controller``: the cluster-level half of ComputeDomains.
+
+Shaped like a controller-runtime controller: list-and-watch loops (with a periodic resync) on
+ComputeDomains and on what they own turn every change into the key ``namespace/name`` of a domain on
+a rate-limited work queue; workers reconcile one key at a time, each from a fresh read, so a missed
+or duplicated event costs nothing and a failing key is retried with exponential backoff.
+
+Reconciling a domain (see :mod:`dra_driver.computedomain.objects` for the objects):
+
+1. add the finalizer, so deletion waits for the clean-up below;
+2. pick an NVLink clique with room for ``numNodes`` nodes (once: the channel template pins it), or
+   say in the status why none fits (no fabric, domain larger than every clique);
+3. create the daemon's ResourceClaimTemplate and DaemonSet and the workload channel's
+   ResourceClaimTemplate, re-creating any that was removed;
+4. drop status entries of nodes the domain's workloads left, and judge readiness: Ready once
+   ``numNodes`` daemons on the clique report Ready; a daemon that stays not ready past the timeout
+   gets a condition and an event.
+
+Deleting a domain deletes its channel template at once (no new workloads), waits until no node
+serves the domain any more (each node drops the label when the kubelet unprepares the workload's
+channel), then deletes the DaemonSet and the daemon template and releases the finalizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Coroutine
+from datetime import UTC, datetime
+from typing import Any
+
+import structlog
+
+from dra_driver.computedomain.api import (
+    PLURAL,
+    ComputeDomain,
+    DomainStatus,
+    InvalidComputeDomain,
+    Names,
+    parse_compute_domain,
+)
+from dra_driver.computedomain.kube import Json, Kube, list_and_watch
+from dra_driver.computedomain.objects import (
+    channel_template,
+    choose_clique,
+    condition,
+    daemon_object_name,
+    daemon_set,
+    daemon_template,
+    event,
+    fabric_from_slices,
+    merge_conditions,
+    overall_status,
+)
+from dra_driver.computedomain.workqueue import WorkQueue
+from dra_driver.kube import ApiClient
+from dra_driver.resources.slice_api import ApiError
+
+log = structlog.get_logger(__name__)
+
+READY = "Ready"
+_CLIQUE_WAIT_S = 30.0  # a domain waiting for a clique looks again this often (slices wake it too)
+_DELETE_POLL_S = 2.0
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class ComputeDomainController:
+    def __init__(
+        self,
+        api: ApiClient,
+        *,
+        gpu_driver: str,
+        namespace: str,
+        daemon_image: str,
+        daemon_ready_timeout: float = 300.0,
+        resync_seconds: float = 600.0,
+        workers: int = 2,
+    ) -> None:
+        self.names = Names(gpu_driver)
+        self._kube = Kube(api)
+        self._namespace = namespace
+        self._image = daemon_image
+        self._ready_timeout = daemon_ready_timeout
+        self._resync = resync_seconds
+        self._workers = workers
+        self.queue = WorkQueue()
+        self._keys: dict[str, str] = {}  # domain uid -> namespace/name
+        self._not_ready_since: dict[tuple[str, str], float] = {}  # (uid, node) -> monotonic time
+        self._cd_path = f"/apis/{self.names.api_version}/{PLURAL}"
+
+    # --- the loops ---------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        loops: list[Coroutine[Any, Any, None]] = [
+            list_and_watch(self._kube, self._cd_path, self._on_domain, resync_seconds=self._resync),
+            list_and_watch(
+                self._kube,
+                "/apis/resource.k8s.io/v1/resourceslices",
+                self._on_slice,
+                resync_seconds=self._resync,
+            ),
+            list_and_watch(
+                self._kube,
+                "/api/v1/nodes",
+                self._on_owned,
+                resync_seconds=self._resync,
+                label_selector=self.names.label,
+            ),
+            list_and_watch(
+                self._kube,
+                f"/apis/apps/v1/namespaces/{self._namespace}/daemonsets",
+                self._on_owned,
+                resync_seconds=self._resync,
+                label_selector=self.names.label,
+            ),
+            *(self._worker() for _ in range(self._workers)),
+        ]
+        log.info("compute-domain controller running", group=self.names.group, namespace=self._namespace)
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                for loop in loops:
+                    tasks.create_task(loop)
+        finally:
+            self.queue.close()
+
+    def _on_domain(self, kind: str, obj: Json) -> None:
+        meta = obj.get("metadata") or {}
+        key = f"{meta.get('namespace')}/{meta.get('name')}"
+        if meta.get("uid"):
+            if kind == "DELETED":
+                self._keys.pop(meta["uid"], None)
+            else:
+                self._keys[meta["uid"]] = key
+        self.queue.add(key)
+
+    def _on_slice(self, kind: str, obj: Json) -> None:
+        if kind != "SYNC" and (obj.get("spec") or {}).get("driver") == self.names.driver:
+            for key in list(self._keys.values()):  # a clique appeared or changed: domains may fit now
+                self.queue.add(key)
+
+    def _on_owned(self, kind: str, obj: Json) -> None:
+        uid = ((obj.get("metadata") or {}).get("labels") or {}).get(self.names.label)
+        key = self._keys.get(uid or "")
+        if key:
+            self.queue.add(key)
+
+    async def _worker(self) -> None:
+        while True:
+            key = await self.queue.get()
+            try:
+                again = await self.reconcile(key)
+                self.queue.forget(key)
+                if again is not None:
+                    self.queue.add_after(key, again)
+            except Exception as error:
+                delay = self.queue.add_rate_limited(key)
+                if not (isinstance(error, ApiError) and error.status == 409):
+                    log.warning(
+                        "reconcile failed",
+                        domain=key,
+                        error=str(error) or type(error).__name__,
+                        retry_in_s=delay,
+                    )
+            finally:
+                self.queue.done(key)
+
+    # --- one domain --------------------------------------------------------------------------------
+
+    async def reconcile(self, key: str) -> float | None:
+        """Bring one domain's objects and status in line; returns when to look again (None: on change)."""
+        namespace, _, name = key.partition("/")
+        path = f"/apis/{self.names.api_version}/namespaces/{namespace}/{PLURAL}/{name}"
+        obj = await self._kube.get(path)
+        if obj is None:
+            return None
+        try:
+            domain = parse_compute_domain(obj)
+        except InvalidComputeDomain as error:
+            await self._set_status(
+                path, obj, None, "InvalidSpec", f"the ComputeDomain is invalid: {error}", False
+            )
+            return None
+        if domain.metadata.deletion_timestamp:
+            return await self._finalize(path, obj, domain)
+        if self.names.finalizer not in domain.metadata.finalizers:
+            finalizers = [*domain.metadata.finalizers, self.names.finalizer]
+            await self._kube.merge_patch(
+                path,
+                {"metadata": {"finalizers": finalizers, "resourceVersion": domain.metadata.resource_version}},
+            )
+            return 0.0  # read the new version afresh
+
+        template_path = self._template_path(domain)
+        template = await self._kube.get(template_path)
+        if template is not None:
+            owner = ((template.get("metadata") or {}).get("labels") or {}).get(self.names.label)
+            if owner != domain.metadata.uid:
+                message = (
+                    f"ResourceClaimTemplate {namespace}/{domain.spec.channel.resource_claim_template.name} "
+                    "exists and does not belong to this ComputeDomain; choose another "
+                    "spec.channel.resourceClaimTemplate.name"
+                )
+                await self._set_status(path, obj, domain, "TemplateNameTaken", message, False)
+                return None
+            clique = str(
+                ((template.get("metadata") or {}).get("annotations") or {}).get(
+                    f"{self.names.group}/clique", ""
+                )
+            )
+        else:
+            slices = await self._kube.list(
+                "/apis/resource.k8s.io/v1/resourceslices", fieldSelector=f"spec.driver={self.names.driver}"
+            )
+            busy = await self._busy_nodes()
+            choice = choose_clique(domain, fabric_from_slices(self.names, slices.get("items") or []), busy)
+            if not choice.clique:
+                await self._set_status(path, obj, domain, choice.reason, choice.message, False)
+                return _CLIQUE_WAIT_S
+            clique = choice.clique
+
+        await self._ensure(
+            self._daemon_template_path(domain), daemon_template(self.names, domain, self._namespace, clique)
+        )
+        await self._ensure(
+            self._daemon_set_path(domain), daemon_set(self.names, domain, self._namespace, self._image)
+        )
+        if template is None:
+            await self._ensure(template_path, channel_template(self.names, domain, clique))
+            log.info("ComputeDomain set up", domain=key, clique=clique)
+
+        members = await self._member_nodes(domain.metadata.uid)
+        stale = [node for node in domain.status.nodes if node.name not in members]
+        if stale:
+            await self._prune(path, obj, members)
+            return 0.0
+        return await self._judge(path, obj, domain, clique, members)
+
+    async def _judge(
+        self, path: str, obj: Json, domain: ComputeDomain, clique: str, members: set[str]
+    ) -> float | None:
+        uid = domain.metadata.uid
+        ready = {n.name for n in domain.status.nodes if n.status is DomainStatus.READY}
+        now = time.monotonic()
+        for key in [
+            k for k in self._not_ready_since if k[0] == uid and (k[1] in ready or k[1] not in members)
+        ]:
+            del self._not_ready_since[key]
+        late: list[str] = []
+        soonest: float | None = None
+        for node in sorted(members - ready):
+            since = self._not_ready_since.setdefault((uid, node), now)
+            left = self._ready_timeout - (now - since)
+            if left <= 0:
+                late.append(node)
+            else:
+                soonest = left if soonest is None else min(soonest, left)
+        status = overall_status(domain, clique)
+        if status is DomainStatus.READY:
+            reason, message = "DaemonsReady", f"{len(ready)} IMEX daemon(s) ready on clique {clique}"
+        elif late:
+            reason = "DaemonNotReady"
+            message = (
+                f"the IMEX daemon on node(s) {', '.join(late)} is not ready after "
+                f"{self._ready_timeout:.0f}s; see its pod's log in namespace {self._namespace}"
+            )
+        else:
+            wanted = domain.spec.num_nodes or max(len(members), 1)
+            reason = "WaitingForDaemons"
+            message = f"{len(ready)} of {wanted} IMEX daemon(s) ready on clique {clique}"
+        await self._set_status(path, obj, domain, reason, message, status is DomainStatus.READY)
+        return soonest
+
+    async def _finalize(self, path: str, obj: Json, domain: ComputeDomain) -> float | None:
+        if self.names.finalizer not in domain.metadata.finalizers:
+            return None
+        template = await self._kube.get(self._template_path(domain))
+        owner = (((template or {}).get("metadata") or {}).get("labels") or {}).get(self.names.label)
+        if owner == domain.metadata.uid:
+            await self._kube.delete(self._template_path(domain))
+        members = await self._member_nodes(domain.metadata.uid)
+        if members:
+            message = f"waiting for the workloads on node(s) {', '.join(sorted(members))} to end"
+            await self._set_status(path, obj, domain, "Deleting", message, False)
+            return _DELETE_POLL_S
+        await self._kube.delete(self._daemon_set_path(domain))
+        await self._kube.delete(self._daemon_template_path(domain))
+        finalizers = [f for f in domain.metadata.finalizers if f != self.names.finalizer]
+        await self._kube.merge_patch(
+            path,
+            {"metadata": {"finalizers": finalizers, "resourceVersion": domain.metadata.resource_version}},
+        )
+        for key in [k for k in self._not_ready_since if k[0] == domain.metadata.uid]:
+            del self._not_ready_since[key]
+        log.info("ComputeDomain cleaned up", domain=f"{domain.metadata.namespace}/{domain.metadata.name}")
+        return None
+
+    # --- helpers -----------------------------------------------------------------------------------
+
+    def _template_path(self, domain: ComputeDomain) -> str:
+        name = domain.spec.channel.resource_claim_template.name
+        return (
+            f"/apis/resource.k8s.io/v1/namespaces/{domain.metadata.namespace}/resourceclaimtemplates/{name}"
+        )
+
+    def _daemon_template_path(self, domain: ComputeDomain) -> str:
+        name = daemon_object_name(domain)
+        return f"/apis/resource.k8s.io/v1/namespaces/{self._namespace}/resourceclaimtemplates/{name}"
+
+    def _daemon_set_path(self, domain: ComputeDomain) -> str:
+        return f"/apis/apps/v1/namespaces/{self._namespace}/daemonsets/{daemon_object_name(domain)}"
+
+    async def _ensure(self, path: str, body: Json) -> None:
+        """Create the object unless it exists (its spec is never changed afterwards, as NVIDIA's)."""
+        if await self._kube.get(path) is not None:
+            return
+        try:
+            await self._kube.create(path.rsplit("/", 1)[0], body)
+        except ApiError as error:
+            if error.status != 409:
+                raise
+
+    async def _member_nodes(self, uid: str) -> set[str]:
+        listed = await self._kube.list("/api/v1/nodes", labelSelector=f"{self.names.label}={uid}")
+        return {item["metadata"]["name"] for item in listed.get("items") or []}
+
+    async def _busy_nodes(self) -> dict[str, str]:
+        listed = await self._kube.list("/api/v1/nodes", labelSelector=self.names.label)
+        return {
+            item["metadata"]["name"]: item["metadata"]["labels"][self.names.label]
+            for item in listed.get("items") or []
+        }
+
+    async def _prune(self, path: str, obj: Json, members: set[str]) -> None:
+        """Drop the status entries of nodes the domain left (optimistic: a conflict is retried)."""
+        status = dict(obj.get("status") or {})
+        status["nodes"] = [n for n in status.get("nodes") or [] if n.get("name") in members]
+        await self._kube.replace(f"{path}/status", {**obj, "status": status})
+
+    async def _set_status(
+        self, path: str, obj: Json, domain: ComputeDomain | None, reason: str, message: str, ready: bool
+    ) -> None:
+        """Write status.status and the Ready condition; a changed reason is also an Event."""
+        old = (obj.get("status") or {}).get("conditions") or []
+        generation = int((obj.get("metadata") or {}).get("generation") or 0)
+        now = _now()
+        new = merge_conditions(old, [condition(READY, ready, reason, message, generation, now)])
+        wanted = (DomainStatus.READY if ready else DomainStatus.NOT_READY).value
+        current = obj.get("status") or {}
+        if current.get("status") == wanted and _same(old, new):
+            return
+        await self._kube.merge_patch(f"{path}/status", {"status": {"status": wanted, "conditions": new}})
+        before: Json = next((c for c in old if c.get("type") == READY), {})
+        if before.get("reason") != reason and domain is not None:
+            with contextlib.suppress(ApiError):  # an event is a courtesy; the status is the record
+                body = event(
+                    self.names,
+                    domain,
+                    reason,
+                    message,
+                    now,
+                    warning=not ready and reason != "WaitingForDaemons",
+                )
+                await self._kube.create(f"/api/v1/namespaces/{domain.metadata.namespace}/events", body)
+            log.info(
+                "ComputeDomain status",
+                domain=f"{domain.metadata.namespace}/{domain.metadata.name}",
+                reason=reason,
+                message=message,
+            )
+
+
+def _same(old: list[Json], new: list[Json]) -> bool:
+    strip = ("lastTransitionTime",)
+    return [{k: v for k, v in c.items() if k not in strip} for c in old] == [
+        {k: v for k, v in c.items() if k not in strip} for c in new
+    ]

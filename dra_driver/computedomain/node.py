@@ -1,0 +1,329 @@
+"""The node side of ComputeDomains: the second driver's devices and its prepare/unprepare.
+
+A node on an NVLink clique publishes, under the driver ``compute-domain.<domain>``, the two devices
+NVIDIA's compute-domain plugin publishes: ``channel-0`` (IMEX channel 0, what a workload pod gets)
+and ``daemon-0`` (what the domain's IMEX daemon pod gets), both with the node's clique as the
+attribute ``cliqueID``. Each is one device per node, so the scheduler never gives one node's channel
+to two domains, and one node never runs two domains' daemons.
+
+Prepare, for a **channel** claim: check the domain exists in the claim's namespace and has room for
+this node, label the node with the domain's UID (the label the domain's IMEX DaemonSet selects, so
+the daemon starts here), and succeed only once that daemon reports Ready in the domain's status:
+until then the kubelet retries and the pod waits, as with NVIDIA's driver. The CDI spec gives the
+container ``/dev/nvidia-caps-imex-channels/channel0`` (all channels for allocationMode All).
+
+For a **daemon** claim: write the daemon's configuration directory (``imexd.cfg`` and
+``nodes_config.cfg``, the IP addresses of the domain's nodes on this clique known so far) and mount it
+into the daemon's container at ``/imexd``, with the domain's identity as environment variables.
+
+Each prepared claim leaves a small record (its kind and domain) so unprepare -- after a restart too --
+knows to remove the node label again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+
+from dra_driver.cdi.spec import CdiDevice, CommonEdits, Mount, cdi_device_id, claim_spec
+from dra_driver.cdi.store import SpecStore
+from dra_driver.computedomain.api import (
+    CHANNEL_TYPE,
+    CLIQUE_ATTRIBUTE,
+    DAEMON_TYPE,
+    ChannelAllocationMode,
+    ChannelConfig,
+    ComputeDomain,
+    DaemonConfig,
+    DomainStatus,
+    Names,
+    parse_config,
+)
+from dra_driver.devices.types import DeviceNode
+from dra_driver.node.claim_fetcher import ClaimFetcher
+from dra_driver.node.claims import ClaimRejected, allocated_claim, check_ref
+from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice, PrepareOutcome
+from dra_driver.resources.slices import SliceContent
+from dra_driver.resources.wire import Device
+
+log = structlog.get_logger(__name__)
+
+CHANNEL_DEVICE = "channel-0"
+DAEMON_DEVICE = "daemon-0"
+CHANNEL_DIR = "/dev/nvidia-caps-imex-channels"
+# The driver's default NVreg_ImexChannelCount: channels 0..2047 exist.
+MAX_CHANNELS = 2048
+DAEMON_CONFIG_DIR = "/imexd"  # where the daemon container finds its configuration
+IMEX_SERVER_PORT = 50000  # IMEX's default peer port (SERVER_PORT)
+NODES_CONFIG = "nodes_config.cfg"
+DAEMON_CONFIG = "imexd.cfg"
+
+
+def compute_domain_slices(clique: str) -> list[SliceContent]:
+    """The node's pool for the compute-domain driver: one channel and one daemon device."""
+
+    def device(name: str, kind: str) -> Device:
+        return {
+            "name": name,
+            "attributes": {
+                "type": {"string": kind},
+                "id": {"int": 0},
+                CLIQUE_ATTRIBUTE: {"string": clique},
+            },
+            "capacity": {},
+        }
+
+    return [SliceContent(devices=(device(CHANNEL_DEVICE, CHANNEL_TYPE), device(DAEMON_DEVICE, DAEMON_TYPE)))]
+
+
+def channel_node(channel: int, major: int) -> DeviceNode:
+    return DeviceNode(f"{CHANNEL_DIR}/channel{channel}", major, channel)
+
+
+def nodes_config(domain: ComputeDomain, clique: str) -> str:
+    """``nodes_config.cfg``: one IP address per line, the domain's daemons on ``clique``, by index."""
+    members = sorted(
+        (node for node in domain.status.nodes if node.clique_id == clique and node.ip_address),
+        key=lambda node: (node.index, node.name),
+    )
+    return "".join(f"{node.ip_address}\n" for node in members)
+
+
+def daemon_config_text(server_port: int) -> str:
+    """The part of ``nvidia-imex``'s configuration file the driver decides (the rest are defaults)."""
+    return (
+        "# Written by the DRA driver for this ComputeDomain's IMEX daemon.\n"
+        "LOG_FILE_NAME=\n"
+        "DAEMONIZE=0\n"
+        f"SERVER_PORT={server_port}\n"
+        f"IMEX_NODE_CONFIG_FILE={DAEMON_CONFIG_DIR}/{NODES_CONFIG}\n"
+        "IMEX_WAIT_FOR_QUORUM=RECOVERY\n"
+        "IMEX_CMD_ENABLED=1\n"
+        "IMEX_CMD_PORT=50005\n"
+    )
+
+
+class Domains(Protocol):
+    """What the preparer needs of the API server."""
+
+    async def by_uid(self, uid: str) -> ComputeDomain | None: ...
+    async def member_nodes(self, uid: str) -> set[str]: ...
+    async def label_node(self, uid: str) -> str | None:
+        """Label this node with the domain; returns the other domain's UID if it holds the label."""
+        ...
+
+    async def unlabel_node(self, uid: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Record:
+    kind: str  # "channel" or "daemon"
+    domain_uid: str
+
+
+class ComputeDomainPreparer:
+    """:class:`~dra_driver.node.types.ClaimPreparer` of the compute-domain driver on one node."""
+
+    def __init__(
+        self,
+        *,
+        names: Names,
+        node_name: str,
+        clique: str,
+        claims: ClaimFetcher,
+        domains: Domains,
+        specs: SpecStore,
+        state_dir: Path,
+        channel_major: int,
+        server_port: int = IMEX_SERVER_PORT,
+    ) -> None:
+        self._names = names
+        self._node = node_name
+        self._clique = clique
+        self._claims = claims
+        self._domains = domains
+        self._specs = specs
+        self._records = state_dir / "claims"
+        self._configs = state_dir / "domains"
+        self._channel_major = channel_major
+        self._server_port = server_port
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareOutcome]:
+        results = await asyncio.gather(*(self._prepare_one(ref) for ref in claims))
+        return {ref.uid: outcome for ref, outcome in zip(claims, results, strict=True)}
+
+    async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, ClaimError | None]:
+        results = await asyncio.gather(*(self._unprepare_one(ref) for ref in claims))
+        return {ref.uid: outcome for ref, outcome in zip(claims, results, strict=True)}
+
+    def prepared_claim_uids(self) -> set[str]:
+        return {path.stem for path in self._records.glob("*.json")} if self._records.exists() else set()
+
+    # --- one claim -----------------------------------------------------------------------------------
+
+    async def _prepare_one(self, ref: ClaimRef) -> PrepareOutcome:
+        try:
+            check_ref(ref)
+            async with self._lock(ref.uid):
+                return await self._prepare(ref)
+        except (ClaimRejected, ValueError) as error:
+            return ClaimError(str(error))
+        except Exception as error:  # the API server unreachable: the kubelet retries
+            log.warning("preparing a compute-domain claim failed", claim=str(ref), error=str(error))
+            return ClaimError(f"preparing claim {ref} failed: {error}")
+
+    async def _prepare(self, ref: ClaimRef) -> PrepareOutcome:
+        claim = await self._claims.get(ref.namespace, ref.name)
+        if claim is None:
+            raise ClaimRejected(f"claim {ref} no longer exists")
+        allocated = allocated_claim(ref, claim, self._names.driver, self._node)
+        if len(allocated.results) != 1:
+            raise ClaimRejected(
+                f"claim {ref} has {len(allocated.results)} devices of {self._names.driver}; "
+                "a ComputeDomain claim has exactly one"
+            )
+        result = allocated.results[0]
+        config = self._config_of(ref, result.device, [c.parameters for c in allocated.configs])
+        domain = await self._domains.by_uid(config.domain_id)
+        if domain is None:
+            raise ClaimRejected(
+                f"claim {ref} belongs to ComputeDomain {config.domain_id}, which does not exist (any more)"
+            )
+        if isinstance(config, ChannelConfig):
+            if result.device != CHANNEL_DEVICE:
+                raise ClaimRejected(f"claim {ref}: a channel config for device {result.device}")
+            cdi = await self._prepare_channel(ref, domain, config)
+        else:
+            if result.device != DAEMON_DEVICE:
+                raise ClaimRejected(f"claim {ref}: a daemon config for device {result.device}")
+            cdi = await self._prepare_daemon(ref, domain)
+        return (
+            PreparedDevice(
+                requests=(result.parent_request,),
+                pool=self._node,
+                device=result.device,
+                cdi_device_ids=(cdi,),
+            ),
+        )
+
+    def _config_of(self, ref: ClaimRef, device: str, parameters: list[Any]) -> ChannelConfig | DaemonConfig:
+        if not parameters:
+            raise ClaimRejected(
+                f"claim {ref} asks for {device} of {self._names.driver} outside a ComputeDomain: it "
+                "carries no ComputeDomainChannelConfig. Create a ComputeDomain "
+                f"({self._names.api_version}) and use the ResourceClaimTemplate named in its "
+                "spec.channel.resourceClaimTemplate.name"
+            )
+        return parse_config(parameters[-1], self._names)  # a later config overrides an earlier one
+
+    async def _prepare_channel(self, ref: ClaimRef, domain: ComputeDomain, config: ChannelConfig) -> str:
+        meta = domain.metadata
+        what = f"ComputeDomain {meta.namespace}/{meta.name}"
+        if meta.namespace != ref.namespace:
+            raise ClaimRejected(f"claim {ref} is in namespace {ref.namespace}, but {what} is not")
+        if meta.deletion_timestamp:
+            raise ClaimRejected(f"{what} is being deleted; its channels are no longer handed out")
+        members = await self._domains.member_nodes(meta.uid)
+        wanted = domain.spec.num_nodes
+        if self._node not in members and wanted and len(members) >= wanted:
+            raise ClaimRejected(
+                f"{what} already has its {wanted} node(s) ({', '.join(sorted(members))}); "
+                f"node {self._node} waits until one of them leaves"
+            )
+        other = await self._domains.label_node(meta.uid)
+        if other is not None:
+            raise ClaimRejected(
+                f"node {self._node} already serves ComputeDomain {other}; one domain per node"
+            )
+        self._write_record(ref.uid, _Record(CHANNEL_TYPE, meta.uid))
+        mine = next((n for n in domain.status.nodes if n.name == self._node), None)
+        if mine is None or mine.status is not DomainStatus.READY:
+            state = mine.status.value if mine else "not started"
+            raise ClaimRejected(
+                f"waiting for the IMEX daemon of {what} on node {self._node} to become ready ({state})"
+            )
+        count = MAX_CHANNELS if config.allocation_mode is ChannelAllocationMode.ALL else 1
+        nodes = tuple(channel_node(i, self._channel_major) for i in range(count))
+        device = CdiDevice(name=CHANNEL_DEVICE, device_nodes=nodes)
+        return await self._write_spec(ref.uid, device, ())
+
+    async def _prepare_daemon(self, ref: ClaimRef, domain: ComputeDomain) -> str:
+        meta = domain.metadata
+        directory = self._configs / meta.uid
+        await asyncio.to_thread(self._write_daemon_files, directory, domain)
+        self._write_record(ref.uid, _Record(DAEMON_TYPE, meta.uid))
+        env = (
+            ("CLIQUE_ID", self._clique),
+            ("COMPUTE_DOMAIN_UUID", meta.uid),
+            ("COMPUTE_DOMAIN_NAME", meta.name),
+            ("COMPUTE_DOMAIN_NAMESPACE", meta.namespace),
+            ("COMPUTE_DOMAIN_NUM_NODES", str(domain.spec.num_nodes)),
+        )
+        device = CdiDevice(name=DAEMON_DEVICE, device_nodes=(), env=env)
+        mount = Mount(str(directory), DAEMON_CONFIG_DIR, ("rw", "nosuid", "nodev", "bind"))
+        return await self._write_spec(ref.uid, device, (mount,))
+
+    def _write_daemon_files(self, directory: Path, domain: ComputeDomain) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        _write_atomically(directory / DAEMON_CONFIG, daemon_config_text(self._server_port))
+        _write_atomically(directory / NODES_CONFIG, nodes_config(domain, self._clique))
+
+    async def _write_spec(self, claim_uid: str, device: CdiDevice, mounts: tuple[Mount, ...]) -> str:
+        spec = claim_spec(self._names.driver, claim_uid, [device], CommonEdits((), mounts, ()))
+        await asyncio.to_thread(self._specs.write, claim_uid, spec)
+        return cdi_device_id(self._names.driver, claim_uid, device.name)
+
+    async def _unprepare_one(self, ref: ClaimRef) -> ClaimError | None:
+        try:
+            async with self._lock(ref.uid):
+                record = self._read_record(ref.uid)
+                if record is not None and record.kind == CHANNEL_TYPE:
+                    await self._domains.unlabel_node(record.domain_uid)
+                if record is not None and record.kind == DAEMON_TYPE:
+                    await asyncio.to_thread(shutil.rmtree, self._configs / record.domain_uid, True)
+                await asyncio.to_thread(self._specs.remove, ref.uid)
+                (self._records / f"{ref.uid}.json").unlink(missing_ok=True)
+            return None
+        except Exception as error:
+            log.warning("unpreparing a compute-domain claim failed", claim=str(ref), error=str(error))
+            return ClaimError(f"unpreparing claim {ref} failed: {error}")
+
+    # --- records -------------------------------------------------------------------------------------
+
+    def _write_record(self, claim_uid: str, record: _Record) -> None:
+        self._records.mkdir(parents=True, exist_ok=True)
+        text = json.dumps({"kind": record.kind, "domainUID": record.domain_uid})
+        _write_atomically(self._records / f"{claim_uid}.json", text)
+
+    def _read_record(self, claim_uid: str) -> _Record | None:
+        try:
+            data = json.loads((self._records / f"{claim_uid}.json").read_text())
+        except FileNotFoundError:
+            return None
+        return _Record(str(data["kind"]), str(data["domainUID"]))
+
+    def _lock(self, claim_uid: str) -> asyncio.Lock:
+        return self._locks.setdefault(claim_uid, asyncio.Lock())
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise

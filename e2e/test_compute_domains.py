@@ -1,0 +1,439 @@
+"""ComputeDomains on four simulated GB200 NVL72 trays in two NVLink cliques (see e2e/compute_domains.py
+for what is real here and what plays the container runtime of the IMEX daemon pods)."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+
+from e2e import manifests
+from e2e.cluster import ClusterInfo, RestClient
+from e2e.cluster.binaries import REPO_ROOT, ControlPlaneBinaries, build_outputs
+from e2e.cluster.controlplane import free_ports
+from e2e.cluster.credentials import write_kubeconfig
+from e2e.cluster.tokens import mint_service_account_token
+from e2e.compute_domains import (
+    CD_DRIVER,
+    CDI_ANNOTATION,
+    DRIVER,
+    LABEL,
+    ControllerProcess,
+    DaemonPodRunner,
+    ExtraControllers,
+    domains_path,
+    wait,
+)
+from e2e.gpu_node import GpuNode
+
+EXAMPLES = manifests.EXAMPLES / "compute-domain"
+CLUSTER_UUID = "6f1c2b7e-3d4a-4e5f-8a9b-0c1d2e3f4a5b"
+CLIQUES = {"cd-tray-a1": 1, "cd-tray-a2": 1, "cd-tray-b1": 2, "cd-tray-b2": 2}
+READY_TIMEOUT = 15.0  # the controller's daemon readiness timeout in this module
+
+
+@dataclass
+class Rack:
+    rest: RestClient
+    nodes: dict[str, GpuNode]
+    runner: DaemonPodRunner
+    driver_namespace: str
+
+    def clique_of(self, node: str) -> str:
+        return f"{CLUSTER_UUID}.{CLIQUES[node]}"
+
+
+# Where the chart's ComputeDomain objects are created, by kind.
+_PATHS = {
+    "CustomResourceDefinition": "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
+    "DeviceClass": "/apis/resource.k8s.io/v1/deviceclasses",
+    "ServiceAccount": "/api/v1/namespaces/{ns}/serviceaccounts",
+    "ClusterRole": "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+    "ClusterRoleBinding": "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+    "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
+    "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
+}
+
+
+def _chart_compute_domain_objects(namespace: str) -> list[tuple[str, dict[str, Any]]]:
+    """The chart's ComputeDomain objects but the controller Deployment (run here as a process), each
+    with the collection to create it in: what `helm install --set driverName=gpu.nvidia.com` creates."""
+    helm = Path(build_outputs("helm")["HELM_BIN_DIR"]) / "helm"
+    chart = str(REPO_ROOT / "charts" / "dra-driver-gpu")
+    rendered = subprocess.run(
+        [str(helm), "template", "cd", chart, "--namespace", namespace, "--set", f"driverName={DRIVER}"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    objects = []
+    for obj in yaml.safe_load_all(rendered):
+        if not obj or obj["kind"] not in _PATHS:
+            continue
+        if obj["kind"] != "CustomResourceDefinition" and "compute-domain" not in obj["metadata"]["name"]:
+            continue
+        objects.append((_PATHS[obj["kind"]].format(ns=namespace), obj))
+    return objects
+
+
+def _kubeconfig_of(cluster: ClusterInfo, namespace: str, account: str, path: Path) -> Path:
+    """A kubeconfig with a token of `account` alone: the permissions the chart gives it, no more."""
+    with cluster.api_client() as api:
+        token = mint_service_account_token(api, namespace, account, expiration_seconds=7200)
+    write_kubeconfig(
+        path, server=cluster.server, ca_certificate=cluster.ca_file.read_bytes(), user=account, token=token
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def rack(
+    cluster: ClusterInfo,
+    control_plane_binaries: ControlPlaneBinaries,
+    kubelet_harness_binary: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Rack]:
+    rest = cluster.rest()
+    base = tmp_path_factory.mktemp("cd")  # short: socket paths have a 107-byte limit
+    created: list[str] = []
+    stops: list[Any] = []
+    driver_namespace = f"cd-driver-{uuid.uuid4().hex[:6]}"
+    try:
+        rest.create("/api/v1/namespaces", {"metadata": {"name": driver_namespace}})
+        created.append(f"/api/v1/namespaces/{driver_namespace}")
+        # The chart's CRD, DeviceClasses, accounts and RBAC, as `helm install` would create them.
+        for collection, obj in _chart_compute_domain_objects(driver_namespace):
+            rest.create(collection, obj)
+            created.append(f"{collection}/{obj['metadata']['name']}")
+        rest.wait_for(
+            "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
+            "computedomains.resource.nvidia.com",
+            lambda crd: any(
+                c["type"] == "Established" and c["status"] == "True"
+                for c in crd.get("status", {}).get("conditions", [])
+            ),
+        )
+
+        extra = ExtraControllers(control_plane_binaries, cluster, base / "kube-controller-manager.log")
+        extra.start()
+        stops.append(extra.stop)
+        # The controller and the daemons run with the chart's RBAC only.
+        controller_kubeconfig = _kubeconfig_of(
+            cluster,
+            driver_namespace,
+            "cd-dra-driver-gpu-compute-domain-controller",
+            base / "controller.kubeconfig",
+        )
+        daemon_kubeconfig = _kubeconfig_of(
+            cluster, driver_namespace, "compute-domain-daemon", base / "daemon.kubeconfig"
+        )
+        controller = ControllerProcess(
+            controller_kubeconfig, driver_namespace, base / "controller.log", READY_TIMEOUT
+        )
+        controller.start()
+        stops.append(controller.stop)
+
+        nodes: dict[str, GpuNode] = {}
+        for name, clique in CLIQUES.items():
+            node = GpuNode(
+                cluster,
+                kubelet_harness_binary,
+                base / name.removeprefix("cd-tray-"),
+                name,
+                profile="gb200-tray",
+                driver_args=[f"--driver-name={DRIVER}", f"--simulate-fabric={CLUSTER_UUID}/{clique}"],
+            )
+            stops.append(node.remove)
+            node.start()
+            nodes[name] = node
+        pod_ips = {name: f"127.0.{77 + i}.1" for i, name in enumerate(CLIQUES)}
+        (port,) = free_ports(1)
+        runner = DaemonPodRunner(rest, daemon_kubeconfig, driver_namespace, nodes, pod_ips, port, base)
+        runner.start()
+        stops.append(runner.stop)
+        yield Rack(rest, nodes, runner, driver_namespace)
+    finally:
+        for stop in reversed(stops):
+            stop()
+        for path in reversed(created):
+            rest.delete(path)
+
+
+def _pods(rest: RestClient, namespace: str, selector: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = rest.request(
+        "GET", f"/api/v1/namespaces/{namespace}/pods", query={"labelSelector": selector}
+    )["items"]
+    return items
+
+
+def _domain(rest: RestClient, namespace: str, name: str) -> dict[str, Any]:
+    return rest.get(domains_path(namespace, name))
+
+
+def _ready_condition(domain: dict[str, Any]) -> dict[str, Any]:
+    return next((c for c in domain.get("status", {}).get("conditions", []) if c["type"] == "Ready"), {})
+
+
+def _events(rest: RestClient, namespace: str, name: str) -> list[dict[str, Any]]:
+    items = rest.request("GET", f"/api/v1/namespaces/{namespace}/events")["items"]
+    return [
+        e
+        for e in items
+        if e["involvedObject"].get("kind") == "ComputeDomain" and e["involvedObject"]["name"] == name
+    ]
+
+
+def _labelled_nodes(rest: RestClient) -> dict[str, str]:
+    items = rest.request("GET", "/api/v1/nodes", query={"labelSelector": LABEL})["items"]
+    return {n["metadata"]["name"]: n["metadata"]["labels"][LABEL] for n in items}
+
+
+def test_a_two_node_domain_runs_its_job_on_one_clique_and_cleans_up(rack: Rack, namespace: str) -> None:
+    rest = rack.rest
+    (domain,) = manifests.load(EXAMPLES / "compute-domain.yaml")
+    job_manifest = manifests.load(EXAMPLES / "multi-node-job.yaml")[0]
+    name = domain["metadata"]["name"]
+    template_name = domain["spec"]["channel"]["resourceClaimTemplate"]["name"]
+    rest.create(domains_path(namespace), domain)
+    template = rest.wait_for(
+        f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates",
+        template_name,
+        lambda _: True,
+    )
+    selector = template["spec"]["spec"]["devices"]["requests"][0]["exactly"]["selectors"][0]["cel"][
+        "expression"
+    ]
+    rest.create(f"/apis/batch/v1/namespaces/{namespace}/jobs", job_manifest)
+
+    # Both workers run, on two nodes of one clique, each with channel 0 of its own node.
+    def running_workers() -> list[dict[str, Any]]:
+        pods = [
+            p for p in _pods(rest, namespace, "app=nvbandwidth-test") if p["status"].get("phase") == "Running"
+        ]
+        return pods if len(pods) == 2 else []
+
+    workers = wait(running_workers, timeout=120, what="both workers running")
+    hosts = sorted(p["spec"]["nodeName"] for p in workers)
+    assert len(set(hosts)) == 2
+    assert len({rack.clique_of(h) for h in hosts}) == 1
+    assert rack.clique_of(hosts[0]) in selector
+    allocations = set()
+    for pod in workers:
+        (status,) = pod["status"]["resourceClaimStatuses"]
+        claim = rest.get(
+            f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{status['resourceClaimName']}"
+        )
+        (result,) = claim["status"]["allocation"]["devices"]["results"]
+        allocations.add((result["pool"], result["device"]))
+        (cdi_id,) = yaml.safe_load(pod["metadata"]["annotations"][CDI_ANNOTATION])["worker"]
+        assert cdi_id == f"k8s.{CD_DRIVER}/claim={claim['metadata']['uid']}-channel-0"
+        spec = (
+            rack.nodes[pod["spec"]["nodeName"]].driver.paths.cdi
+            / f"k8s.{CD_DRIVER}-claim_{claim['metadata']['uid']}.json"
+        )
+        assert "/dev/nvidia-caps-imex-channels/channel0" in spec.read_text()
+    assert allocations == {(h, "channel-0") for h in hosts}  # distinct channels, one per node
+
+    # The daemons on both nodes see each other: the domain is Ready, with both nodes in its status.
+    ready = wait(
+        lambda: (d := _domain(rest, namespace, name)).get("status", {}).get("status") == "Ready" and d,
+        timeout=90,
+        what="the domain to become Ready",
+    )
+    assert sorted((n["name"], n["cliqueID"], n["status"]) for n in ready["status"]["nodes"]) == [
+        (h, rack.clique_of(h), "Ready") for h in hosts
+    ]
+    assert rack.runner.running_on() == set(hosts)
+    assert _labelled_nodes(rest) == dict.fromkeys(hosts, ready["metadata"]["uid"])
+
+    # A third worker finds no node: the clique's two channels are taken and the other clique is not
+    # the domain's. It waits, unscheduled.
+    rest.request(
+        "PATCH",
+        f"/apis/batch/v1/namespaces/{namespace}/jobs/nvbandwidth-test",
+        {"spec": {"parallelism": 3, "completions": 3}},
+        content_type="application/merge-patch+json",
+    )
+
+    def third_pending() -> dict[str, Any] | None:
+        for pod in _pods(rest, namespace, "app=nvbandwidth-test"):
+            conditions = {c["type"]: c for c in pod["status"].get("conditions", [])}
+            if conditions.get("PodScheduled", {}).get("status") == "False":
+                return pod
+        return None
+
+    pending = wait(third_pending, timeout=60, what="the third worker to be found unschedulable")
+    assert not pending["spec"].get("nodeName")
+
+    # A daemon crashes: its peer loses it and the domain turns NotReady, until it is back.
+    rack.runner.kill(hosts[0])
+    wait(
+        lambda: _domain(rest, namespace, name)["status"]["status"] == "NotReady",
+        timeout=30,
+        what="the domain to notice the lost daemon",
+    )
+    wait(
+        lambda: _domain(rest, namespace, name)["status"]["status"] == "Ready",
+        timeout=60,
+        what="the domain to recover",
+    )
+    assert rack.runner.restarts(hosts[0]) >= 1
+
+    # Deleting the domain waits for its workloads, then removes everything it created.
+    rest.delete(domains_path(namespace, name))
+    deleting = wait(
+        lambda: (
+            _ready_condition(_domain(rest, namespace, name)).get("reason") == "Deleting"
+            and _domain(rest, namespace, name)
+        ),
+        timeout=30,
+        what="the domain to wait for its workloads",
+    )
+    assert "waiting for the workloads on node(s)" in _ready_condition(deleting)["message"]
+    rest.request(
+        "DELETE",
+        f"/apis/batch/v1/namespaces/{namespace}/jobs/nvbandwidth-test",
+        {"propagationPolicy": "Background"},
+    )
+
+    def gone() -> bool:
+        listed = rest.request("GET", domains_path(namespace))["items"]
+        return not listed
+
+    wait(gone, timeout=120, what="the domain to be deleted")
+    assert not rest.request("GET", f"/apis/apps/v1/namespaces/{rack.driver_namespace}/daemonsets")["items"]
+    templates = rest.request("GET", "/apis/resource.k8s.io/v1/resourceclaimtemplates")["items"]
+    assert not [t for t in templates if LABEL in (t["metadata"].get("labels") or {})]
+    assert _labelled_nodes(rest) == {}
+    wait(lambda: not rack.runner.running_on(), timeout=60, what="the IMEX daemons to stop")
+    for node in rack.nodes.values():
+        wait(
+            lambda node=node: not list(node.driver.paths.cdi.glob(f"k8s.{CD_DRIVER}-claim_*.json")),
+            timeout=60,
+            what=f"{node.name} to unprepare every ComputeDomain claim",
+        )
+
+
+def test_a_domain_larger_than_every_clique_says_so_and_creates_nothing(rack: Rack, namespace: str) -> None:
+    rest = rack.rest
+    domain = {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "ComputeDomain",
+        "metadata": {"name": "too-large"},
+        "spec": {"numNodes": 3, "channel": {"resourceClaimTemplate": {"name": "too-large-channel"}}},
+    }
+    rest.create(domains_path(namespace), domain)
+    stored = wait(
+        lambda: _ready_condition(d := _domain(rest, namespace, "too-large")).get("reason") and d,
+        timeout=30,
+        what="a condition on the domain",
+    )
+    condition = _ready_condition(stored)
+    assert (condition["status"], condition["reason"]) == ("False", "DomainLargerThanClique")
+    assert "numNodes 3 is larger than every NVLink clique: the largest has 2 node(s)" in condition["message"]
+    assert stored["status"]["status"] == "NotReady"
+    events = wait(lambda: _events(rest, namespace, "too-large"), timeout=30, what="an event")
+    assert events[0]["reason"] == "DomainLargerThanClique"
+    assert events[0]["type"] == "Warning"
+    templates = rest.request("GET", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates")
+    assert not templates["items"]
+    assert not rest.request("GET", f"/apis/apps/v1/namespaces/{rack.driver_namespace}/daemonsets")["items"]
+    rest.delete(domains_path(namespace, "too-large"))
+    wait(lambda: not rest.request("GET", domains_path(namespace))["items"], timeout=30, what="deletion")
+
+
+def test_a_channel_outside_a_domain_is_refused_with_what_to_do(
+    rack: Rack, namespace: str, api: client.ApiClient
+) -> None:
+    rest = rack.rest
+    claim = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": "loose-channel"},
+        "spec": {
+            "devices": {
+                "requests": [
+                    {
+                        "name": "channel",
+                        "exactly": {"deviceClassName": "compute-domain-default-channel.nvidia.com"},
+                    }
+                ]
+            }
+        },
+    }
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "loose"},
+        "spec": {
+            "containers": [
+                {"name": "ctr", "image": "ubuntu:24.04", "resources": {"claims": [{"name": "channel"}]}}
+            ],
+            "resourceClaims": [{"name": "channel", "resourceClaimName": "loose-channel"}],
+        },
+    }
+    manifests.apply(rest, [claim, pod], namespace)
+
+    def refusal() -> list[dict[str, Any]]:
+        items = rest.request("GET", f"/api/v1/namespaces/{namespace}/events")["items"]
+        return [e for e in items if e["reason"] == "FailedPrepareDynamicResources"]
+
+    (event, *_) = wait(refusal, timeout=60, what="the kubelet's prepare failure event")
+    assert "outside a ComputeDomain" in event["message"]
+    assert "spec.channel.resourceClaimTemplate.name" in event["message"]
+    client.CoreV1Api(api).delete_namespaced_pod("loose", namespace, grace_period_seconds=0)
+
+
+def test_a_daemon_that_never_becomes_ready_shows_in_the_status(
+    rack: Rack, namespace: str, api: client.ApiClient
+) -> None:
+    """numNodes 2 but one worker only: its daemon waits for a peer that never comes."""
+    rest = rack.rest
+    domain = {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "ComputeDomain",
+        "metadata": {"name": "half"},
+        "spec": {"numNodes": 2, "channel": {"resourceClaimTemplate": {"name": "half-channel"}}},
+    }
+    rest.create(domains_path(namespace), domain)
+    rest.wait_for(
+        f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates",
+        "half-channel",
+        lambda _: True,
+    )
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "lonely"},
+        "spec": {
+            "containers": [
+                {"name": "ctr", "image": "ubuntu:24.04", "resources": {"claims": [{"name": "channel"}]}}
+            ],
+            "resourceClaims": [{"name": "channel", "resourceClaimTemplateName": "half-channel"}],
+        },
+    }
+    manifests.apply(rest, [pod], namespace)
+    stuck = wait(
+        lambda: (
+            _ready_condition(d := _domain(rest, namespace, "half")).get("reason") == "DaemonNotReady" and d
+        ),
+        timeout=READY_TIMEOUT + 60,
+        what="the DaemonNotReady condition",
+    )
+    assert "is not ready after 15s" in _ready_condition(stuck)["message"]
+    assert [e["reason"] for e in _events(rest, namespace, "half")].count("DaemonNotReady") == 1
+    # The pod waits in the meantime: prepare holds it until its daemon is ready.
+    assert rest.get(f"/api/v1/namespaces/{namespace}/pods/lonely")["status"].get("phase") == "Pending"
+
+    rest.delete(domains_path(namespace, "half"))
+    client.CoreV1Api(api).delete_namespaced_pod("lonely", namespace, grace_period_seconds=0)
+    wait(lambda: not rest.request("GET", domains_path(namespace))["items"], timeout=90, what="deletion")
+    wait(lambda: not _labelled_nodes(rest), timeout=60, what="the node label to go")
+    wait(lambda: not rack.runner.running_on(), timeout=60, what="the daemon to stop")
