@@ -369,7 +369,8 @@ def test_probes_ask_the_daemons_health_endpoint(helm: Path, values_file: Path | 
 
 def test_the_webhook_service_reaches_its_pods_with_the_certificate_it_names(helm: Path) -> None:
     manifests = render(helm, {"webhook": {"enabled": True}})
-    (deployment,) = [d for d in of_kind(manifests, "Deployment") if d["metadata"]["name"].endswith("-webhook")]
+    deployments = of_kind(manifests, "Deployment")
+    (deployment,) = [d for d in deployments if d["metadata"]["name"].endswith("-webhook")]
     (configuration,) = of_kind(manifests, "ValidatingWebhookConfiguration")
     (service,) = [s for s in of_kind(manifests, "Service") if s["metadata"]["name"].endswith("-webhook")]
     pod = deployment["spec"]["template"]
