@@ -163,9 +163,11 @@ def append(path: Path, data: bytes, at: int) -> int:
         if os.fstat(fd).st_size != at:
             os.ftruncate(fd, at)
         try:
-            written = os.pwrite(fd, data, at)
-            if written != len(data):
-                raise OSError(f"short write to {path}: {written} of {len(data)} bytes")
+            # A write the disk has room for only in part returns short; writing the rest then
+            # fails with the reason (ENOSPC), which is what the user must read.
+            done = 0
+            while done < len(data):
+                done += os.pwrite(fd, data[done:], at + done)
         except BaseException:
             os.ftruncate(fd, at)
             raise

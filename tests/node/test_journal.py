@@ -184,6 +184,36 @@ async def test_failed_write_changes_nothing_and_the_next_succeeds(
     assert set(read_state(path).claims) == {"u0", "u2"}
 
 
+async def test_a_disk_that_fills_during_a_write_is_reported_as_full(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel first returns a short count, and only the next write fails with ENOSPC: the user must
+    read "No space left on device", not "short write" (found by the fault suite, e2e/reliability)."""
+    path = tmp_path / "checkpoint.json"
+    journal = await opened(path)
+    log_before = ckpt_log.log_path(path).read_bytes()
+    real_pwrite = os.pwrite
+    calls: list[int] = []
+
+    def short_then_full(fd: int, data: bytes, offset: int) -> int:
+        calls.append(len(data))
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        return real_pwrite(fd, data[:10], offset)
+
+    monkeypatch.setattr(ckpt_log.os, "pwrite", short_then_full)
+    with pytest.raises(CheckpointWriteError, match="No space left on device"):
+        await journal.commit(Reserve("u1", record("a1", "gpu-0")))
+    assert ckpt_log.log_path(path).read_bytes() == log_before
+
+    def short_then_room(fd: int, data: bytes, offset: int) -> int:  # space freed meanwhile
+        return real_pwrite(fd, data[: max(1, len(data) // 3)], offset)
+
+    monkeypatch.setattr(ckpt_log.os, "pwrite", short_then_room)
+    await journal.commit(Reserve("u2", record("a2", "gpu-0")))
+    assert set(read_state(path).claims) == {"u2"}
+
+
 async def test_a_torn_last_line_is_ignored_and_cut_off_by_the_next_write(tmp_path: Path) -> None:
     path = tmp_path / "checkpoint.json"
     journal = await opened(path)
