@@ -14,6 +14,7 @@ import json
 import signal
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -27,11 +28,13 @@ from dra_driver.computedomain.plugin import ComputeDomainPlugin
 from dra_driver.devices.backend import Backend, DeviceError
 from dra_driver.devices.backends import open_backend
 from dra_driver.devices.driver_root import find_cdi_hook, find_driver_files, parse_capabilities
-from dra_driver.devices.health import HealthSource, NodeFaults, open_health_source
+from dra_driver.devices.health import FaultKind, HealthSource, NodeFaults, open_health_source
 from dra_driver.devices.types import HealthState, Inventory
 from dra_driver.http import StatusServer
 from dra_driver.kubelet.health import HealthBoard
 from dra_driver.kubelet.server import KubeletPlugin
+from dra_driver.labels.gfd import gfd_labels
+from dra_driver.labels.labeller import NodeLabeller
 from dra_driver.metrics import Metrics
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
 from dra_driver.node.claim_status import ApiServerClaimStatus, ClaimStatusWriter
@@ -104,6 +107,25 @@ def desired_slices(
             maintenance=settings.maintenance_devices,
         )
     )
+
+
+DMI_PRODUCT_NAME = Path("/sys/class/dmi/id/product_name")
+
+
+def node_labels(settings: Settings, inventory: Inventory, faults: NodeFaults) -> dict[str, str]:
+    """GFD's labels for the node: lost GPUs (unreachable, or a gpu-lost Xid) left out; the
+    machine from DMI, unless simulated."""
+    lost_xids = frozenset(xid_numbers(settings.gpu_lost_xids))
+    lost = {
+        uuid
+        for uuid, found in faults.items()
+        if any(f.kind is FaultKind.GPU_LOST or f.xid in lost_xids for f in found)
+    }
+    machine = None
+    if not settings.simulate:
+        with contextlib.suppress(OSError):
+            machine = DMI_PRODUCT_NAME.read_text().strip()
+    return gfd_labels(inventory, lost=lost, machine=machine)
 
 
 def taint_policy(settings: Settings) -> TaintPolicy:
@@ -350,7 +372,11 @@ async def _serve(
         node_uid=own_node_uid,
     )
 
+    labeller = NodeLabeller(api, settings.node_name) if settings.node_labels else None
+
     def publish(latest: Inventory) -> None:
+        if labeller is not None:
+            labeller.set_desired(node_labels(settings, latest, gpu_health.faults))
         taints = device_taints(latest, gpu_health.tainted, policy)
         slices = desired_slices(settings, latest, preparer.owned_mig_uuids(), taints)
         publisher.set_desired(slices)
@@ -458,6 +484,7 @@ async def _serve(
             asyncio.create_task(gpu_health.run()),
             asyncio.create_task(claim_status.run()),
             *(asyncio.create_task(task) for task in compute_domains.tasks()),
+            *([asyncio.create_task(labeller.run())] if labeller else []),
         ]
         await _until_stopped(stop, tasks)
     finally:

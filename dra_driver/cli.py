@@ -47,6 +47,7 @@ from dra_driver.node.checkpoint import BootIdUnavailable, CheckpointFromNewerDri
 from dra_driver.resources.pool import PoolOwner, plan_pool
 from dra_driver.settings import xid_numbers
 from dra_driver.startup import check_mig_partitions
+from dra_driver.webhook import serve_webhook
 
 log = structlog.get_logger("dra_driver.cli")
 _SETTINGS_DOC = "dra-driver kubelet-plugin --help, or docs/configuration.md"
@@ -142,6 +143,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     inventory.set_defaults(run=_inventory)
 
+    webhook = commands.add_parser(
+        "webhook", help="serve the validating admission webhook for opaque configs (docs/configuration.md)"
+    )
+    add_settings_flags(webhook, ["driver_name", "log_format", "log_level"])
+    webhook.add_argument("--webhook-address", default="0.0.0.0:8443", help="host:port to serve HTTPS on")
+    webhook.add_argument("--tls-cert-file", type=Path, required=True, help="serving certificate (PEM)")
+    webhook.add_argument("--tls-key-file", type=Path, required=True, help="its private key (PEM)")
+    webhook.set_defaults(run=_webhook)
+
     simulate = commands.add_parser(
         "simulate", help="act on the simulated GPUs of a node (the state the daemon reads)"
     )
@@ -182,6 +192,27 @@ def _kubelet_plugin(args: argparse.Namespace) -> int:
     for name in unknown_env_settings():
         log.warning("environment variable names no setting; ignored", variable=name, settings=_SETTINGS_DOC)
     asyncio.run(run_plugin(settings))
+    return 0
+
+
+def _webhook(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    configure(settings.log_format, settings.log_level)
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve_webhook(
+            settings.driver_name, args.webhook_address, args.tls_cert_file, args.tls_key_file, stop
+        )
+
+    try:
+        asyncio.run(serve())
+    except (OSError, ValueError) as err:  # a missing certificate, a bad address, a port in use
+        print(f"error: webhook: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

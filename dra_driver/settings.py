@@ -159,6 +159,13 @@ class Settings(BaseSettings):
             "admin-access claims may get (kubernetes/kubernetes#140729); false once the scheduler is fixed."
         ),
     ] = True
+    node_labels: Annotated[
+        bool,
+        Field(
+            description="Keep NVIDIA GPU feature discovery's labels (nvidia.com/gpu.product, ...) on the "
+            "node, following the GPUs; do not run GFD beside it."
+        ),
+    ] = False
     inventory_refresh_seconds: Annotated[
         float,
         Field(

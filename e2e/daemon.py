@@ -97,6 +97,11 @@ class Daemon:
         processes.stop(record, grace_seconds=_STOP_GRACE_SECONDS)
         return child.wait()
 
+    @property
+    def pid(self) -> int | None:
+        """The running process's id (None when stopped): a restart changes it."""
+        return self._child_pid()
+
     def _child_pid(self) -> int | None:
         return self._child.pid if self._child else None
 

@@ -199,7 +199,8 @@ def release(helm: list[str], cluster: ClusterInfo, host: Path) -> Iterator[Relea
         "driverRoot": str(host / "driver-root"),
         "httpAddress": f"127.0.0.1:{port}",
         "logFormat": "console",
-        "deviceClasses": {"gpu": {"extendedResourceName": EXTENDED_RESOURCE}},
+        "deviceClasses": {"gpu": {"extendedResourceName": EXTENDED_RESOURCE}, "migProfiles": ["1g.10gb"]},
+        "nodeLabels": True,
     }
     run(
         [*helm, "install", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE, "--values", "-"],
@@ -330,6 +331,37 @@ def test_admission_policy_lets_a_plugin_write_only_its_own_nodes_slices(
                     raise
 
 
+def label(client: RestClient, node: str, labels: dict[str, str | None]) -> None:
+    patch = {"metadata": {"labels": labels}}
+    client.request("PATCH", f"/api/v1/nodes/{node}", patch, content_type="application/merge-patch+json")
+
+
+def test_admission_policy_lets_a_plugin_change_only_its_own_nodes_nvidia_labels(
+    cluster: ClusterInfo, rest: RestClient, release: Release, fake_node: FakeNodeFactory
+) -> None:
+    fake_node("labels-a")
+    fake_node("labels-b")
+    as_plugin = cluster.rest(
+        as_plugin_of(cluster, release, create_plugin_pod(rest, release, "labels-a", "plugin-labels-a"))
+    )
+
+    label(as_plugin, "labels-a", {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"})  # allowed
+    label(as_plugin, "labels-a", {"nvidia.com/gpu.product": None})  # and removed again
+
+    denied = refused(lambda: label(as_plugin, "labels-b", {"nvidia.com/gpu.product": "x"}))
+    assert "may change only its own Node (labels-a), not labels-b" in denied.message
+    denied = refused(lambda: label(as_plugin, "labels-a", {"kubernetes.io/hostname": "elsewhere"}))
+    assert "may change only nvidia.com/ labels of its Node" in denied.message
+    refused(lambda: label(as_plugin, "labels-a", {"node-role.kubernetes.io/control-plane": ""}))
+    unschedulable = {"spec": {"unschedulable": True}}
+    refused(
+        lambda: as_plugin.request(
+            "PATCH", "/api/v1/nodes/labels-a", unschedulable, content_type="application/merge-patch+json"
+        )
+    )
+    assert rest.get("/api/v1/nodes/labels-a")["metadata"]["labels"]["kubernetes.io/hostname"] == "labels-a"
+
+
 # --- the driver with the chart's permissions, installed as the image installs it ----------------------
 
 
@@ -385,8 +417,8 @@ def pod_environment(pod: JsonObject) -> dict[str, str]:
     """The plugin container's environment as the kubelet would set it: values, and the downward API."""
     (container,) = pod["spec"]["containers"]
     fields = {"spec.nodeName": pod["spec"]["nodeName"], "metadata.uid": pod["metadata"]["uid"]}
+    # The API server drops an empty value (omitempty): such an entry is the empty string.
     return {
-        # The API server drops an empty value (omitempty): such an entry is the empty string.
         entry["name"]: fields[entry["valueFrom"]["fieldRef"]["fieldPath"]]
         if "valueFrom" in entry
         else entry.get("value", "")
@@ -532,6 +564,15 @@ def test_driver_publishes_the_node_with_only_the_charts_permissions(
         timeout_seconds=30,
         waiting_for="the daemon to delete the stale slice in its pool",
     )
+    # nodeLabels: GFD's labels on its own node, under the node-labels admission policy.
+    wait_until(
+        lambda: (
+            rest.get(f"/api/v1/nodes/{NODE}")["metadata"]["labels"].get("nvidia.com/gpu.product")
+            == "NVIDIA-H100-80GB-HBM3"
+        ),
+        timeout_seconds=30,
+        waiting_for="the daemon to label its node",
+    )
     assert plugin.ready()
     assert not re.search(r"Forbidden|is forbidden", plugin.daemon.log_since(0))  # no call was refused
 
@@ -572,6 +613,28 @@ def test_pod_asking_for_the_extended_resource_gets_a_gpu_through_dra(
     assert result["device"].startswith("gpu-")
     assert cdi_devices(pod)["app"] == [cdi_device_id(DRIVER, claim["metadata"]["uid"], result["device"])]
     assert CDI_DEVICES_ANNOTATION in pod["metadata"]["annotations"]
+
+
+@pytest.mark.e2e
+def test_device_plugin_era_pod_asking_for_a_mig_profile_gets_that_mig_device(
+    rest: RestClient, plugin: PluginPod, namespace: str
+) -> None:
+    # docs/examples/extended-resource-mig.yaml, unchanged but for the node it is kept to.
+    (example,) = load(EXAMPLES / "extended-resource-mig.yaml")
+    assert example["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/mig-1g.10gb": "1"}
+    example["spec"]["nodeSelector"] = {"kubernetes.io/hostname": NODE}
+    rest.create(f"/api/v1/namespaces/{namespace}/pods", example)
+
+    pod = wait_running(rest, namespace, "asks-mig-extended-resource")
+
+    claim_status = pod["status"]["extendedResourceClaimStatus"]
+    claim = rest.get(
+        f"{RESOURCE_V1}/namespaces/{namespace}/resourceclaims/{claim_status['resourceClaimName']}"
+    )
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    assert result["driver"] == DRIVER
+    assert re.fullmatch(r"gpu-[0-7]-mig-1g10gb-19-[0-6]", result["device"]), result["device"]
+    assert cdi_devices(pod)["app"] == [cdi_device_id(DRIVER, claim["metadata"]["uid"], result["device"])]
 
 
 def claim_a_gpu(rest: RestClient, namespace: str, name: str) -> None:

@@ -43,7 +43,16 @@ def chart_classes_and_policy(cluster: ClusterInfo) -> Iterator[None]:
     helm = Path(build_outputs("helm")["HELM_BIN_DIR"]) / "helm"
     rendered = subprocess.run(
         [
-            *(str(helm), "template", "m", str(CHART), "--set", f"driverName={DRIVER}"),
+            *(
+                str(helm),
+                "template",
+                "m",
+                str(CHART),
+                "--namespace",
+                "dra-driver-gpu",
+                "--set",
+                f"driverName={DRIVER}",
+            ),
             *("--show-only", "templates/deviceclasses.yaml", "--show-only", "templates/maintenance.yaml"),
         ],
         check=True,

@@ -215,7 +215,9 @@ def test_a_16_gpu_node_publishes_valid_slices_and_serves_its_last_gpu(
     # 16 counter sets fill two slices of 8; 16 x 26 devices that consume counters, 64 at most per slice.
     assert sorted(cs["name"] for cs in counter_sets) == sorted(f"gpu-{i}-counter-set" for i in range(GPUS))
     assert len(items) == 10  # 2 counter slices, 8 device slices of two GPUs (52 devices) each
-    assert len(devices) == GPUS * DEVICES_PER_IDLE_H100
+    counter_free = [d["name"] for d in devices if not d.get("consumesCounters")]
+    assert sorted(counter_free) == sorted(f"gpu-{i}-maintenance" for i in range(GPUS))  # admin access only
+    assert len(devices) - len(counter_free) == GPUS * DEVICES_PER_IDLE_H100
 
     apply(
         rest,

@@ -56,8 +56,12 @@ def hardware(node: GpuNode, command: str) -> str:
 
 def test_the_node_publishes_the_gpus_nvml_reports(rest: RestClient, node: GpuNode) -> None:
     devices = published_devices(rest, node.name)
-    full = sorted(name for name in devices if "-mig-" not in name)
+    full = sorted(name for name in devices if devices[name]["attributes"]["type"]["string"] == "gpu")
     assert full == [f"gpu-{i}" for i in range(8)]
+    # Each GPU also has its counter-free maintenance device, for admin-access claims only.
+    assert sorted(name for name in devices if name.endswith("-maintenance")) == sorted(
+        f"gpu-{i}-maintenance" for i in range(8)
+    )
     gpu = devices["gpu-0"]["attributes"]
     assert gpu["productName"] == {"string": "NVIDIA H100 80GB HBM3"}  # NVIDIA's mock, not our catalog
     assert gpu["driverVersion"] == {"version": MOCK_NVML_DRIVER_VERSION}

@@ -3,7 +3,6 @@ the session's control plane, each asserting that nothing went wrong. See e2e/rel
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,8 +16,9 @@ SEED = 20261201  # fixed: a CI failure can be replayed with `python -m e2e.relia
 
 
 @pytest.fixture
-def env(cluster: ClusterInfo, tmp_path: Path) -> Env:
-    return Env(cluster=cluster, base=tmp_path)
+def env(cluster: ClusterInfo, tmp_path_factory: pytest.TempPathFactory) -> Env:
+    # Not tmp_path: long test names would push the plugin's socket paths past the kernel's 107 bytes.
+    return Env(cluster=cluster, base=tmp_path_factory.mktemp("rel"))
 
 
 def check(figures: dict[str, Any], prefix: str) -> None:

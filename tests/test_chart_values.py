@@ -70,9 +70,9 @@ def render(
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
-def render_error(helm: Path, values: dict[str, Any]) -> str:
+def render_error(helm: Path, values: dict[str, Any], namespace: str = NAMESPACE) -> str:
     result = subprocess.run(
-        [str(helm), "template", "gpu", str(CHART), "--values", "-"],
+        [str(helm), "template", "gpu", str(CHART), "--namespace", namespace, "--values", "-"],
         input=yaml.safe_dump(values),
         capture_output=True,
         text=True,
@@ -193,7 +193,11 @@ def switched_on(helm: Path) -> tuple[dict[str, Any], list[Manifest]]:
     return values, render(helm, values)
 
 
-@pytest.mark.parametrize("path", list(LEAVES))
+# Values whose effect shows only in another release namespace; each has a test of its own.
+NAMESPACE_DEPENDENT = {"allowDefaultNamespace": "test_the_default_namespace_is_refused_unless_allowed"}
+
+
+@pytest.mark.parametrize("path", [path for path in LEAVES if path not in NAMESPACE_DEPENDENT])
 def test_every_value_changes_what_is_deployed(
     helm: Path, path: str, switched_on: tuple[dict[str, Any], list[Manifest]]
 ) -> None:
@@ -358,7 +362,28 @@ def test_probes_ask_the_daemons_health_endpoint(helm: Path, values_file: Path | 
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": port["name"]}
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": port["name"]}
     for service in of_kind(manifests, "Service"):
+        if service["metadata"]["name"].endswith("-webhook"):
+            continue  # the webhook's own Service (test_the_webhook_service_reaches_its_pods)
         assert service["spec"]["ports"][0]["targetPort"] == port["name"]
+
+
+def test_the_webhook_service_reaches_its_pods_with_the_certificate_it_names(helm: Path) -> None:
+    manifests = [m for m in render(helm, {"webhook": {"enabled": True}}) if not _compute_domain_object(m)]
+    (deployment,) = of_kind(manifests, "Deployment")
+    (configuration,) = of_kind(manifests, "ValidatingWebhookConfiguration")
+    (service,) = [s for s in of_kind(manifests, "Service") if s["metadata"]["name"].endswith("-webhook")]
+    pod = deployment["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert deployment["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
+    (daemonset,) = of_kind(manifests, "DaemonSet")  # the plugin's selectors do not take the webhook's pods
+    assert not daemonset["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (hook,) = configuration["webhooks"]
+    assert hook["clientConfig"]["service"] == {
+        "name": service["metadata"]["name"],
+        "namespace": NAMESPACE,
+        "path": "/validate",
+    }
+    assert pod["spec"]["containers"][0]["command"] == ["dra-driver", "webhook"]
 
 
 @pytest.mark.parametrize("values_file", VALUES_FILES, ids=VALUES_IDS)
@@ -416,3 +441,30 @@ def test_examples_use_the_device_classes_the_chart_installs(helm: Path) -> None:
         if document["kind"] == "DeviceClass":  # for clusters without the chart: the same class
             name = document["metadata"]["name"]
             assert json.loads(json.dumps(document["spec"])) == installed[name]["spec"], path
+
+
+def test_the_default_namespace_is_refused_unless_allowed(helm: Path) -> None:
+    assert "refusing to install into the namespace default" in render_error(helm, {}, namespace="default")
+    argv = [str(helm), "template", "gpu", str(CHART), "--namespace", "default"]
+    allowed = subprocess.run(
+        [*argv, "--set", "allowDefaultNamespace=true"], capture_output=True, text=True, check=False
+    )
+    assert allowed.returncode == 0, allowed.stderr
+    elsewhere = subprocess.run(
+        [*argv, "--set", "namespaceOverride=gpu-operator"], capture_output=True, text=True, check=False
+    )
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    namespaces = {d["metadata"].get("namespace") for d in yaml.safe_load_all(elsewhere.stdout) if d}
+    assert namespaces == {"gpu-operator", None}  # cluster-scoped objects have none
+
+
+def test_name_overrides_rename_every_object_and_keep_the_selector_consistent(helm: Path) -> None:
+    manifests = render(helm, {"fullnameOverride": "gpu-driver"})
+    (daemonset,) = of_kind(manifests, "DaemonSet")
+    assert daemonset["metadata"]["name"] == "gpu-driver"
+    assert pod_spec(manifests)["serviceAccountName"] == "gpu-driver"
+    renamed = render(helm, {"nameOverride": "nvidia-dra"})
+    (daemonset,) = of_kind(renamed, "DaemonSet")
+    labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    assert labels["app.kubernetes.io/name"] == "nvidia-dra"
+    assert daemonset["spec"]["selector"]["matchLabels"].items() <= labels.items()

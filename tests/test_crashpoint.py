@@ -45,3 +45,17 @@ def test_an_unknown_point_is_refused_in_one_line() -> None:
     assert done.returncode == 1
     assert "unknown crash point 'cdi.nowhere'" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_every_point_the_driver_reaches_is_known_and_every_known_point_is_reached() -> None:
+    """A misspelt name at a call site would never fire, and the fault suite would test nothing there."""
+    import re
+    from pathlib import Path
+
+    package = Path(crashpoint.__file__).parent
+    called = {
+        name
+        for source in package.rglob("*.py")
+        for name in re.findall(r'crashpoint\.reached\("([^"]+)"\)', source.read_text())
+    }
+    assert called == set(crashpoint.POINTS)

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dra_driver.devices.simulated import SimulatedBackend
-from e2e.gpu_node import SLICES, node_slices_query, published_devices
+from e2e.gpu_node import SLICES, GpuNode, node_slices_query, published_devices, published_slices
+from e2e.harness import ensure_harness_binary
 from e2e.reliability.env import Env
 from e2e.reliability.plugin import DRIVER, PROFILE
 
@@ -38,6 +39,7 @@ class OutageFigures:
     retried_after_return_failed: int = 0
     republish_after_return_s: list[float] = field(default_factory=list)
     republish_after_wipe_s: list[float] = field(default_factory=list)
+    republish_after_kubelet_restart_s: list[float] = field(default_factory=list)
     daemon_restarts: int = 0
     problems: list[str] = field(default_factory=list)
 
@@ -52,6 +54,9 @@ class OutageFigures:
             "outage.retried_after_return_failed": self.retried_after_return_failed,
             "outage.republish_after_return_max_s": round(max(self.republish_after_return_s, default=0), 2),
             "outage.republish_after_wipe_max_s": round(max(self.republish_after_wipe_s, default=0), 2),
+            "outage.republish_after_kubelet_restart_max_s": round(
+                max(self.republish_after_kubelet_restart_s, default=0), 2
+            ),
             "outage.daemon_restarts": self.daemon_restarts,
             "outage.problems": self.problems[:20],
         }
@@ -134,7 +139,41 @@ async def run(env: Env, rounds: int) -> OutageFigures:
         os.kill(apiserver, signal.SIGCONT)
         backend.close()
         await plugin.stop()
+    await asyncio.to_thread(_kubelet_restarts, env, rounds, figures)
     return figures
+
+
+def _kubelet_restarts(env: Env, rounds: int, figures: OutageFigures) -> None:
+    """The real kubelet (harness) restarted: it deletes the node's slices as it starts; the driver,
+    left running, must publish them again. Timed from the moment the restarted kubelet is up until
+    every device is back in slices the restart created (new uids)."""
+    rest = env.cluster.rest()
+    name = env.node("rel-kubelet").name
+    node = GpuNode(env.cluster, ensure_harness_binary(), env.base / name, name)
+    try:
+        node.start()
+        pid = node.driver.daemon.pid
+        for number in range(rounds):
+            devices = set(published_devices(rest, name))
+            before = {item["metadata"]["uid"] for item in published_slices(rest, name)}
+            node.harness.restart()
+            restarted = time.monotonic()
+
+            def republished(before: set[str] = before, devices: set[str] = devices) -> bool:
+                items = published_slices(rest, name)
+                fresh = all(item["metadata"]["uid"] not in before for item in items)
+                return fresh and {d["name"] for i in items for d in i["spec"].get("devices") or []} == devices
+
+            seconds = asyncio.run(_until(republished, restarted))
+            if seconds is None:
+                figures.problems.append(f"kubelet restart {number}: slices not back within {WAIT_S} s")
+            else:
+                figures.republish_after_kubelet_restart_s.append(seconds)
+        if not node.driver.running or node.driver.daemon.pid != pid:
+            figures.daemon_restarts += 1
+            figures.problems.append("the driver did not survive the kubelet's restarts")
+    finally:
+        node.remove()
 
 
 def _tainted(rest: Any, node: str, xid: int | None) -> bool:

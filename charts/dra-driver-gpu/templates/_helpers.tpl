@@ -1,15 +1,37 @@
 {{/* Names and labels shared by the templates. */}}
 
+{{- define "dra-driver-gpu.name" -}}
+{{- .Values.nameOverride | default .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
 {{- define "dra-driver-gpu.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := include "dra-driver-gpu.name" . -}}
+{{- if contains $name .Release.Name -}}
 {{- .Release.Name | trunc 63 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 
+{{/*
+The namespace of the plugin's objects: namespaceOverride, else the release's. "default" is refused
+unless allowDefaultNamespace: a node-level daemon with node-wide permissions does not belong among
+the workloads of the default namespace.
+*/}}
+{{- define "dra-driver-gpu.namespace" -}}
+{{- $namespace := .Values.namespaceOverride | default .Release.Namespace -}}
+{{- if and (eq $namespace "default") (not .Values.allowDefaultNamespace) -}}
+{{- fail "refusing to install into the namespace default: use --namespace dra-driver-gpu --create-namespace (or namespaceOverride), or set allowDefaultNamespace=true" -}}
+{{- end -}}
+{{- $namespace -}}
+{{- end -}}
+
 {{- define "dra-driver-gpu.selectorLabels" -}}
-app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/name: {{ include "dra-driver-gpu.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 

@@ -1,0 +1,1 @@
+"""Node labels in the format of NVIDIA's GPU feature discovery, for nodeSelector and affinity."""

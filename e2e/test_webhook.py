@@ -1,0 +1,191 @@
+"""The validating webhook on the real API server: a misspelt opaque config is refused when the claim
+is created, with the message the driver gives at prepare, instead of a pod that never starts.
+
+The webhook runs here as `dra-driver webhook` on 127.0.0.1 with a certificate of the test's own; the
+API server calls it through a ValidatingWebhookConfiguration as the chart's (webhook.enabled) does,
+for a driver name of this module's own and only in namespaces the test labels, so other modules'
+claims are not affected.
+"""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.cluster import ApiError, ClusterInfo, JsonObject, RestClient
+from e2e.cluster.controlplane import free_ports
+from e2e.daemon import Daemon, wait_until
+from e2e.manifests import collection
+
+pytestmark = pytest.mark.e2e
+
+DRIVER = "gpu.webhook-e2e.dev"
+SELECTOR_LABEL = "webhook-e2e.dra-driver.dev/checked"
+WEBHOOKS = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations"
+
+
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    cert, key = directory / "tls.crt", directory / "tls.key"
+    subprocess.run(
+        [
+            *(
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "1",
+                "-subj",
+                "/CN=127.0.0.1",
+            ),
+            *("-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+@pytest.fixture(scope="module")
+def webhook(cluster: ClusterInfo, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    directory = tmp_path_factory.mktemp("webhook")
+    cert, key = self_signed(directory)
+    (port,) = free_ports(1)
+    daemon = Daemon("dra-driver webhook", directory / "webhook.log")
+    argv = [sys.executable, "-m", "dra_driver", "webhook", f"--driver-name={DRIVER}", "--log-format=console"]
+    argv += [f"--webhook-address=127.0.0.1:{port}", f"--tls-cert-file={cert}", f"--tls-key-file={key}"]
+    daemon.start(
+        argv, lambda offset: "serving the validating webhook" in daemon.log_since(offset), timeout_seconds=30
+    )
+    rest = cluster.rest()
+    configuration = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingWebhookConfiguration",
+        "metadata": {"name": "webhook-e2e"},
+        "webhooks": [
+            {
+                "name": "opaque-config.webhook-e2e.dra-driver.dev",
+                "clientConfig": {
+                    "url": f"https://127.0.0.1:{port}/validate",
+                    "caBundle": base64.b64encode(cert.read_bytes()).decode(),
+                },
+                "rules": [
+                    {
+                        "apiGroups": ["resource.k8s.io"],
+                        "apiVersions": ["*"],
+                        "operations": ["CREATE", "UPDATE"],
+                        "resources": ["resourceclaims", "resourceclaimtemplates"],
+                    }
+                ],
+                "namespaceSelector": {"matchLabels": {SELECTOR_LABEL: "true"}},
+                "failurePolicy": "Fail",
+                "sideEffects": "None",
+                "admissionReviewVersions": ["v1"],
+                "timeoutSeconds": 5,
+            }
+        ],
+    }
+    rest.create(WEBHOOKS, configuration)
+    try:
+        yield
+    finally:
+        rest.delete(f"{WEBHOOKS}/webhook-e2e")
+        daemon.stop()
+
+
+@pytest.fixture
+def checked_namespace(rest: RestClient, webhook: None) -> Iterator[str]:
+    name = f"webhook-{uuid.uuid4().hex[:8]}"
+    rest.create("/api/v1/namespaces", {"metadata": {"name": name, "labels": {SELECTOR_LABEL: "true"}}})
+    yield name
+    rest.delete(f"/api/v1/namespaces/{name}")
+
+
+def claim(name: str, parameters: dict[str, Any]) -> JsonObject:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name},
+        "spec": {
+            "devices": {
+                "requests": [{"name": "gpu", "exactly": {"deviceClassName": "any.example.com"}}],
+                "config": [{"requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": parameters}}],
+            }
+        },
+    }
+
+
+def create_when_enforced(rest: RestClient, namespace: str, obj: JsonObject) -> ApiError | None:
+    """Creates `obj`; the API server may take a moment to call a new webhook, so a refusal is waited for."""
+    try:
+        rest.create(collection(obj["kind"], namespace), obj)
+    except ApiError as error:
+        return error
+    return None
+
+
+def test_a_misspelt_config_is_refused_at_creation_with_prepares_message(
+    rest: RestClient, checked_namespace: str
+) -> None:
+    misspelt = {
+        "apiVersion": "resource.dra-driver.dev/v1alpha1",
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeslicing": {"interval": "Long"}},
+    }
+
+    def refused() -> ApiError | None:
+        name = f"bad-{uuid.uuid4().hex[:6]}"
+        error = create_when_enforced(rest, checked_namespace, claim(name, misspelt))
+        if error is None:
+            rest.delete(f"{collection('ResourceClaim', checked_namespace)}/{name}")
+        return error
+
+    error = wait_until(refused, timeout_seconds=30, waiting_for="the webhook to refuse the claim")
+    assert error.status == 422
+    assert (
+        f"opaque config for {DRIVER}: config[0] (FromClaim, requests [gpu]): sharing.timeslicing: "
+        "Extra inputs are not permitted" in error.message
+    )
+
+
+def test_valid_configs_of_both_apis_are_accepted(rest: RestClient, checked_namespace: str) -> None:
+    ours = {
+        "apiVersion": "resource.dra-driver.dev/v1alpha1",
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "MPS"},
+    }
+    nvidias = {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}},
+    }
+    rest.create(collection("ResourceClaim", checked_namespace), claim("ours", ours))
+    rest.create(collection("ResourceClaim", checked_namespace), claim("nvidias", nvidias))
+
+
+def test_nvidias_unsupported_kinds_are_refused_with_the_reason(
+    rest: RestClient, checked_namespace: str
+) -> None:
+    vfio = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "VfioDeviceConfig"}
+    template = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": "vfio"},
+        "spec": {"spec": claim("x", vfio)["spec"]},
+    }
+    error = wait_until(
+        lambda: create_when_enforced(rest, checked_namespace, template),
+        timeout_seconds=30,
+        waiting_for="the webhook to refuse the template",
+    )
+    assert error.status == 422
+    assert "VFIO passthrough (NVIDIA's PassthroughSupport feature) is not supported" in error.message
