@@ -483,8 +483,8 @@ async def _serve(
             asyncio.create_task(watch.run()),
             asyncio.create_task(gpu_health.run()),
             asyncio.create_task(claim_status.run()),
-            *(asyncio.create_task(task) for task in compute_domains.tasks()),
             *([asyncio.create_task(labeller.run())] if labeller else []),
+            *(asyncio.create_task(task) for task in compute_domains.tasks()),
         ]
         await _until_stopped(stop, tasks)
     finally:

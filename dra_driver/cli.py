@@ -8,7 +8,6 @@
 Whatever the user got wrong (a flag, an env var, a kubeconfig, a directory, a GPU that is not
 there) ends the command in :func:`main` with one line on stderr and a non-zero exit; see
 :mod:`dra_driver.errors`.
->>>>>>> main
 """
 
 from __future__ import annotations

@@ -368,8 +368,9 @@ def test_probes_ask_the_daemons_health_endpoint(helm: Path, values_file: Path | 
 
 
 def test_the_webhook_service_reaches_its_pods_with_the_certificate_it_names(helm: Path) -> None:
-    manifests = [m for m in render(helm, {"webhook": {"enabled": True}}) if not _compute_domain_object(m)]
-    (deployment,) = of_kind(manifests, "Deployment")
+    manifests = render(helm, {"webhook": {"enabled": True}})
+    deployments = of_kind(manifests, "Deployment")
+    (deployment,) = [d for d in deployments if d["metadata"]["name"].endswith("-webhook")]
     (configuration,) = of_kind(manifests, "ValidatingWebhookConfiguration")
     (service,) = [s for s in of_kind(manifests, "Service") if s["metadata"]["name"].endswith("-webhook")]
     pod = deployment["spec"]["template"]
@@ -441,6 +442,17 @@ def test_examples_use_the_device_classes_the_chart_installs(helm: Path) -> None:
         if document["kind"] == "DeviceClass":  # for clusters without the chart: the same class
             name = document["metadata"]["name"]
             assert json.loads(json.dumps(document["spec"])) == installed[name]["spec"], path
+
+
+def test_the_plugins_selector_takes_no_other_pod_of_the_chart(helm: Path) -> None:
+    manifests = render(helm, {"webhook": {"enabled": True}})
+    (daemonset,) = of_kind(manifests, "DaemonSet")
+    plugin = daemonset["spec"]["selector"]["matchLabels"].items()
+    deployments = of_kind(manifests, "Deployment")
+    assert len(deployments) == 2  # the webhook and the ComputeDomain controller
+    for deployment in deployments:
+        labels = deployment["spec"]["template"]["metadata"]["labels"].items()
+        assert not plugin <= labels, deployment["metadata"]["name"]
 
 
 def test_the_default_namespace_is_refused_unless_allowed(helm: Path) -> None:

@@ -3,10 +3,10 @@
 Claim identities carry unicode, NUL, newlines, path separators and ``..`` in namespaces, names and
 uids, or are empty or duplicated; some name real allocated claims under a wrong name; some calls are
 not protobuf at all; one prepare and one unprepare carry 10,000 claims. The inputs come from a
-seeded generator, so ``--seed`` replays a run exactly. Every answer is allowed to be an error -- the daemon must say the
-claim is invalid -- but the daemon must not die, and it must write nothing outside its CDI and
-data directories: every hostile string carries a marker (``zzescape``) that is searched for in
-every file name under the scratch directory and the current directory afterwards.
+seeded generator, so ``--seed`` replays a run exactly. Every answer is allowed to be an error -- the
+daemon must say the claim is invalid -- but the daemon must not die, and it must write nothing
+outside its CDI and data directories: every hostile string carries a marker (``zzescape``) that is
+searched for in every file name under the scratch directory and the current directory afterwards.
 """
 
 from __future__ import annotations
