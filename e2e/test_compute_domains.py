@@ -15,7 +15,7 @@ import yaml
 from kubernetes import client
 
 from e2e import manifests
-from e2e.cluster import ClusterInfo, RestClient
+from e2e.cluster import ApiError, ClusterInfo, RestClient
 from e2e.cluster.binaries import REPO_ROOT, ControlPlaneBinaries, build_outputs
 from e2e.cluster.controlplane import free_ports
 from e2e.cluster.credentials import write_kubeconfig
@@ -345,6 +345,16 @@ def test_a_domain_larger_than_every_clique_says_so_and_creates_nothing(rack: Rac
     templates = rest.request("GET", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates")
     assert not templates["items"]
     assert not rest.request("GET", f"/apis/apps/v1/namespaces/{rack.driver_namespace}/daemonsets")["items"]
+    # The spec cannot be fixed in place (as with NVIDIA's CRD): a new domain is the way.
+    with pytest.raises(ApiError) as refused:
+        rest.request(
+            "PATCH",
+            domains_path(namespace, "too-large"),
+            {"spec": {"numNodes": 2}},
+            content_type="application/merge-patch+json",
+        )
+    assert refused.value.status == 422
+    assert "A computeDomain.spec is immutable" in refused.value.message
     rest.delete(domains_path(namespace, "too-large"))
     wait(lambda: not rest.request("GET", domains_path(namespace))["items"], timeout=30, what="deletion")
 
