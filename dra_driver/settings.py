@@ -223,7 +223,7 @@ class Settings(BaseSettings):
     @field_validator("driver_name")
     @classmethod
     def _driver_name_is_dns_subdomain(cls, value: str) -> str:
-        if len(value) > 63 or not _DNS_SUBDOMAIN.match(value):
+        if len(value) > 63 or not _DNS_SUBDOMAIN.fullmatch(value):
             raise ValueError(
                 f"{value!r} is not a DNS subdomain of at most 63 characters (lower-case letters, "
                 "digits, '-' and '.'), e.g. gpu.example.com"
@@ -233,7 +233,7 @@ class Settings(BaseSettings):
     @field_validator("node_name")
     @classmethod
     def _node_name_is_dns_subdomain(cls, value: str) -> str:
-        if value and (len(value) > _NODE_NAME_MAX or not _DNS_SUBDOMAIN.match(value)):
+        if value and (len(value) > _NODE_NAME_MAX or not _DNS_SUBDOMAIN.fullmatch(value)):
             raise ValueError(
                 f"{value!r} is not a Kubernetes node name: a DNS subdomain of at most {_NODE_NAME_MAX} "
                 "characters (lower-case letters, digits, '-' and '.'), as `kubectl get nodes` shows it"
@@ -243,7 +243,7 @@ class Settings(BaseSettings):
     @field_validator("pod_uid")
     @classmethod
     def _pod_uid_is_a_file_name_part(cls, value: str) -> str:
-        if value and not _POD_UID.match(value):
+        if value and not _POD_UID.fullmatch(value):
             raise ValueError(
                 f"{value!r} is not a pod UID (the downward API's metadata.uid, e.g. "
                 "3f2b6c1e-8d4a-4e0b-9c1d-2a5e7f8b9c0d); it becomes part of the socket file names"

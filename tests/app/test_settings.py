@@ -90,6 +90,8 @@ def test_a_bad_env_value_is_reported_too(monkeypatch: pytest.MonkeyPatch) -> Non
     [
         (["--node-name", "N1_bad!"], "DRA_NODE_NAME", "DNS subdomain"),
         (["--node-name", "n" * 254], "DRA_NODE_NAME", "at most 253"),
+        (["--node-name", "node-1\n"], "DRA_NODE_NAME", "DNS subdomain"),  # "$" matches before a newline
+        (["--pod-uid", "3f2b6c1e\n"], "DRA_POD_UID", "pod UID"),
         (["--pod-uid", "../x"], "DRA_POD_UID", "socket file names"),
         (["--pod-uid", ".hidden"], "DRA_POD_UID", "pod UID"),
         (["--simulate", "dgx-z900"], "DRA_SIMULATE", "dgx-h100"),
