@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import signal
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 from prometheus_client.core import GaugeMetricFamily
@@ -57,6 +56,7 @@ from dra_driver.resources.taints import (
     unknown_gpus,
 )
 from dra_driver.resources.wire import DeviceTaint
+from dra_driver.rest import JsonApi
 from dra_driver.settings import Settings, TaintsOnRecovery, partition_gpus, xid_numbers
 from dra_driver.startup import (
     check_before_starting,
@@ -174,18 +174,10 @@ async def api_client(settings: Settings) -> ApiClient:
 async def node_uid(api: ApiClient, node_name: str) -> str | None:
     """The Node's UID for the slices' owner reference; ``None`` (no owner) if it cannot be read yet."""
     try:
-        request = await api.param_serialize(
-            method="GET",
-            resource_path="/api/v1/nodes/{name}",
-            path_params={"name": node_name},
-            header_params={"Accept": "application/json"},
-            auth_settings=["BearerToken"],
-        )
-        response: Any = await api.call_api(*request, _request_timeout=10)
-        body = await response.read()
-        if response.status != 200:
-            raise RuntimeError(f"HTTP {response.status}: {body[:200].decode(errors='replace')}")
-        uid = json.loads(body)["metadata"]["uid"]
+        node = await JsonApi(api).get(f"/api/v1/nodes/{node_name}", request_timeout_s=10)
+        if node is None:
+            raise RuntimeError("no such Node")
+        uid = node["metadata"]["uid"]
     except Exception as err:  # an outage must not stop the node from serving claims
         log.warning("node not readable; slices get no owner reference", node=node_name, error=str(err))
         return None

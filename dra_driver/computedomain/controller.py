@@ -40,7 +40,7 @@ from dra_driver.computedomain.api import (
     Names,
     parse_compute_domain,
 )
-from dra_driver.computedomain.kube import Json, Kube, list_and_watch
+from dra_driver.computedomain.kube import list_and_watch
 from dra_driver.computedomain.objects import (
     channel_template,
     choose_clique,
@@ -55,7 +55,7 @@ from dra_driver.computedomain.objects import (
 )
 from dra_driver.computedomain.workqueue import WorkQueue
 from dra_driver.kube import ApiClient
-from dra_driver.resources.slice_api import ApiError
+from dra_driver.rest import ApiError, Json, JsonApi
 
 log = structlog.get_logger(__name__)
 
@@ -81,7 +81,7 @@ class ComputeDomainController:
         workers: int = 2,
     ) -> None:
         self.names = Names(gpu_driver)
-        self._kube = Kube(api)
+        self._kube = JsonApi(api)
         self._namespace = namespace
         self._image = daemon_image
         self._ready_timeout = daemon_ready_timeout

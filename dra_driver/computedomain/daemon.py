@@ -30,10 +30,9 @@ from pathlib import Path
 import structlog
 
 from dra_driver.computedomain.api import PLURAL, DomainStatus, Names
-from dra_driver.computedomain.kube import Json, Kube
 from dra_driver.computedomain.node import DAEMON_CONFIG, DAEMON_CONFIG_DIR, IMEX_SERVER_PORT, NODES_CONFIG
 from dra_driver.kube import ApiClient
-from dra_driver.resources.slice_api import ApiError
+from dra_driver.rest import ApiError, Json, JsonApi
 
 log = structlog.get_logger(__name__)
 
@@ -97,7 +96,7 @@ class ImexDaemon:
         *,
         port: int | None = None,
     ) -> None:
-        self._kube = Kube(api)
+        self._kube = JsonApi(api)
         self._names = names
         self._me = identity
         self._dir = config_dir

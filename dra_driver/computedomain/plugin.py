@@ -23,7 +23,6 @@ from dra_driver.computedomain.api import (
     Names,
     parse_compute_domain,
 )
-from dra_driver.computedomain.kube import Kube
 from dra_driver.computedomain.node import ComputeDomainPreparer, compute_domain_slices
 from dra_driver.devices.fabric import node_clique
 from dra_driver.devices.types import Inventory
@@ -32,6 +31,7 @@ from dra_driver.kubelet.server import KubeletPlugin
 from dra_driver.kubelet.sockets import KubeletSocketError
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
 from dra_driver.resources.publisher import SlicePublisher
+from dra_driver.rest import JsonApi
 
 log = structlog.get_logger(__name__)
 
@@ -57,7 +57,7 @@ def channel_major(procfs_root: Path = Path("/proc")) -> int | None:
 class ApiDomains:
     """The preparer's view of the API server: ComputeDomains and this node's label."""
 
-    def __init__(self, kube: Kube, names: Names, node_name: str) -> None:
+    def __init__(self, kube: JsonApi, names: Names, node_name: str) -> None:
         self._kube = kube
         self._names = names
         self._node_path = f"/api/v1/nodes/{node_name}"
@@ -147,7 +147,7 @@ class ComputeDomainPlugin:
             node_name=self._node,
             clique=clique.clique,
             claims=ApiServerClaimFetcher(self._api),
-            domains=ApiDomains(Kube(self._api), self.names, self._node),
+            domains=ApiDomains(JsonApi(self._api), self.names, self._node),
             specs=SpecStore(self._cdi_dir, self.names.driver),
             state_dir=self._state_dir,
             channel_major=major,

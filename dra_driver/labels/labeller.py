@@ -12,14 +12,14 @@ admission policy enforces the same from the other side: the plugin's account may
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 
 from dra_driver.labels.gfd import PREFIX
+from dra_driver.rest import JsonApi
 
 if TYPE_CHECKING:
     from kubernetes.aio.client import ApiClient
@@ -56,7 +56,7 @@ def label_patch(current: Mapping[str, str], desired: Mapping[str, str]) -> dict[
 
 class NodeLabeller:
     def __init__(self, api: ApiClient, node_name: str, retry_seconds: float = 5.0) -> None:
-        self._api = api
+        self._api = JsonApi(api)
         self._node = node_name
         self._retry = retry_seconds
         self._desired: Mapping[str, str] | None = None
@@ -86,32 +86,16 @@ class NodeLabeller:
             self.synced = desired == self._desired
 
     async def _apply(self, desired: Mapping[str, str]) -> None:
-        node = await self._call("GET", None)
+        path = f"/api/v1/nodes/{self._node}"
+        node = await self._api.call("GET", path, request_timeout_s=10)
         current = (node.get("metadata") or {}).get("labels") or {}
         patch = label_patch(current, desired)
         if patch:
-            await self._call("PATCH", {"metadata": {"labels": patch}})
+            await self._api.call(
+                "PATCH",
+                path,
+                body={"metadata": {"labels": patch}},
+                content_type=MERGE_PATCH,
+                request_timeout_s=10,
+            )
             log.info("node labels written", node=self._node, changed=len(patch))
-
-    async def _call(self, method: str, body: Mapping[str, Any] | None) -> dict[str, Any]:
-        """One request on the Node, in raw REST like the rest of the driver (see dra_driver.kube)."""
-        headers = {"Accept": "application/json"}
-        if body is not None:
-            headers["Content-Type"] = MERGE_PATCH
-        method, url, headers, serialized, _ = await self._api.param_serialize(
-            method=method,
-            resource_path="/api/v1/nodes/{name}",
-            path_params={"name": self._node},
-            header_params=headers,
-            body=dict(body) if body is not None else None,
-            auth_settings=["BearerToken"],
-        )
-        response: Any = await self._api.call_api(
-            method, url, header_params=headers, body=serialized, _request_timeout=10
-        )
-        text = await response.read()
-        if response.status != 200:
-            detail = text[:200].decode(errors="replace")
-            raise RuntimeError(f"{method} node {self._node}: HTTP {response.status}: {detail}")
-        result: dict[str, Any] = json.loads(text)
-        return result
