@@ -73,8 +73,9 @@ def starting_state(
     state = loaded.checkpoint
     recorded_mig = any(device.mig for record in state.claims.values() for device in record.devices)
     # Reading the GPUs costs a little; a node that never created a MIG device need not.
-    live = live_mig_devices() if recorded_mig or ledger.entries() else ()
-    ours = _forget_gone(ledger, live)
+    entries = ledger.entries()
+    live = live_mig_devices() if recorded_mig or entries else ()
+    ours = _forget_gone(ledger, entries, live)
     if loaded.earlier_boot:
         for uid in sorted(set(loaded.stale) | specs.claim_uids()):
             specs.remove(uid)
@@ -108,10 +109,11 @@ def starting_state(
     return state.model_copy(update={"claims": claims})
 
 
-def _forget_gone(ledger: MigLedger, live: Sequence[MigDevice]) -> dict[str, MigRecord]:
+def _forget_gone(
+    ledger: MigLedger, entries: dict[str, MigRecord], live: Sequence[MigDevice]
+) -> dict[str, MigRecord]:
     """The ledger's entries of live devices; entries of devices that are gone are removed."""
     alive = {m.uuid for m in live}
-    entries = ledger.entries()
     for uuid in set(entries) - alive:
         ledger.remove(uuid)
     return {uuid: mig for uuid, mig in entries.items() if uuid in alive}
