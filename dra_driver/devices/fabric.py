@@ -27,6 +27,10 @@ def fabric_from_nvml(cluster_uuid: bytes, clique_id: int, state: int, status: st
     fabric_state = _NVML_STATES.get(state, FabricState.NOT_SUPPORTED)
     if fabric_state is FabricState.NOT_SUPPORTED:
         return None
+    if fabric_state is FabricState.COMPLETED and not any(cluster_uuid[:16]):
+        # Registered, but in no cluster: single-node NVSwitch (DGX H100), "NVLink-capable, but
+        # not MNNVL-capable" in NVIDIA's compute-domain plugin, which puts such a node in no clique.
+        return None
     return FabricInfo(
         cluster_uuid=str(uuid.UUID(bytes=bytes(cluster_uuid[:16]).ljust(16, b"\0"))),
         clique_id=clique_id,
@@ -57,6 +61,13 @@ def node_clique(inventory: Inventory) -> NodeClique:
     ]
     if unfinished:
         return NodeClique(reason=f"GPUs whose fabric registration has not completed: {', '.join(unfinished)}")
+    failed = [
+        f"{gpu.uuid} ({gpu.fabric.status})"
+        for gpu in inventory.gpus
+        if gpu.fabric is not None and gpu.fabric.status != "Success"
+    ]
+    if failed:  # NVML's status counts once registration completed, and then it must be a success
+        return NodeClique(reason=f"GPUs whose fabric registration failed: {', '.join(failed)}")
     cliques = sorted({gpu.fabric.clique for gpu in inventory.gpus if gpu.fabric is not None})
     if len(cliques) != 1:
         listed = ", ".join(cliques)

@@ -378,14 +378,18 @@ class NvmlBackend:
 
     @staticmethod
     def _fabric(handle: Any) -> FabricInfo | None:
-        """The GPU's NVLink fabric info; None where the GPU or the driver has none (pre-Hopper)."""
+        """The GPU's NVLink fabric info; None where the GPU or the driver has none (pre-Hopper).
+
+        ``nvmlDeviceGetGpuFabricInfo``, as NVIDIA's compute-domain plugin reads it. nvml.h declares
+        the struct's ``state`` one byte wide where pynvml reads four, so only its low byte counts.
+        """
         info = pynvml.c_nvmlGpuFabricInfo_t()
         try:
             pynvml.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(info))
-        except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
+        except _ABSENT:
             return None
-        status = str(info.status)
-        return fabric_from_nvml(bytes(info.clusterUuid), int(info.cliqueId), int(info.state), status)
+        status = _return_text(int(info.status))
+        return fabric_from_nvml(bytes(info.clusterUuid), int(info.cliqueId), int(info.state) & 0xFF, status)
 
     @staticmethod
     def _mig_mode(handle: Any) -> int | None:
@@ -769,6 +773,15 @@ class NvmlBackend:
                     )
             else:
                 return  # a GPU instance with its compute instance still there cannot be destroyed
+
+
+def _return_text(code: int) -> str:
+    """An ``nvmlReturn_t`` as NVML words it ("Success"), as in a status field NVML fills in."""
+    try:
+        text = pynvml.nvmlErrorString(code)
+    except pynvml.NVMLError:
+        return str(code)
+    return text.decode() if isinstance(text, bytes) else str(text)
 
 
 NVML_SONAME = "libnvidia-ml.so.1"
