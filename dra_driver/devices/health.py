@@ -25,18 +25,20 @@ that was never lost lasts until the plugin restarts.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import pynvml
 import structlog
 
 from dra_driver.devices.backend import Backend, DeviceError
-from dra_driver.devices.nvml import NvmlBackend
+from dra_driver.devices.nvml import DEFAULT_CALL_TIMEOUT, NvmlBackend
 from dra_driver.devices.simulated import SimulatedBackend
 
 log = structlog.get_logger(__name__)
@@ -158,6 +160,7 @@ def open_health_source(
             clock=clock,
             known_gpus=backend.known_gpus(),
             mig_mode_switches=backend.mig_mode_switches,
+            call_timeout=backend.call_timeout,
         )
     raise TypeError(f"no health source for the backend {type(backend).__name__}")
 
@@ -245,6 +248,64 @@ class _XidEvent:
     gpu_instance: int | None
 
 
+T = TypeVar("T")
+
+
+class NvmlHungError(DeviceError):
+    """An NVML call did not answer in time (or an earlier one still has not)."""
+
+
+class _NvmlCalls:
+    """The health watch's NVML calls: one at a time, each in a daemon thread, each bounded.
+
+    NVML calls cannot be interrupted, and one can block in the kernel driver for good (a GPU that
+    stopped answering). The caller stops waiting after ``timeout`` seconds; the thread is left to
+    finish, and no other call starts before it has, so a hung driver costs one thread, not one
+    per period. Daemon threads: a hung call does not hold up the process's exit either, as a
+    thread of asyncio's default executor would.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self._timeout = timeout
+        self._pending: concurrent.futures.Future[Any] | None = None
+        self._pending_action = ""
+
+    async def call(self, action: str, fn: Callable[..., T], *args: Any, extra_seconds: float = 0.0) -> T:
+        if self._pending is not None and not self._pending.done():
+            raise NvmlHungError(
+                f"NVML has not answered {self._pending_action} for over {self._timeout:g}s; "
+                "the GPU or its driver is hung (check dmesg for Xid errors)"
+            )
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn(*args))
+            except BaseException as error:  # handed to the waiting coroutine
+                future.set_exception(error)
+
+        self._pending, self._pending_action = future, action
+        threading.Thread(target=run, name="nvml-health", daemon=True).start()
+        try:
+            return await asyncio.wait_for(
+                asyncio.shield(asyncio.wrap_future(future)), self._timeout + extra_seconds
+            )
+        except TimeoutError:
+            log.error("nvml_call_timed_out", action=action, timeout_seconds=self._timeout)
+            raise NvmlHungError(
+                f"NVML did not answer {action} within {self._timeout:g}s; the GPU or its driver is hung "
+                "(check dmesg for Xid errors; a GPU reset or a node reboot clears it)"
+            ) from None
+
+    async def settled(self, seconds: float) -> bool:
+        """Whether no call is running, after waiting up to ``seconds`` for the last one."""
+        if self._pending is None or self._pending.done():
+            return True
+        with contextlib.suppress(Exception):  # its outcome is no longer anyone's business
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._pending)), seconds)
+        return self._pending.done()
+
+
 class NvmlHealthSource:
     """Critical Xid events from an NVML event set, and a check for lost GPUs every period.
 
@@ -261,6 +322,10 @@ class NvmlHealthSource:
     Switching MIG mode may reset a GPU (nvml.h), which ends its event registrations: after the
     backend switched one (``mig_mode_switches`` counts), the GPUs are registered again in a new
     event set.
+
+    Every NVML call runs bounded (:class:`_NvmlCalls`): one that has not answered after
+    ``call_timeout`` seconds is logged, and until it returns every GPU the watch knows is reported
+    unmonitored, saying so; the watch goes on, and stops promptly when cancelled.
     """
 
     def __init__(
@@ -271,61 +336,101 @@ class NvmlHealthSource:
         clock: Callable[[], float] = time.time,
         known_gpus: Mapping[int, str] | None = None,
         mig_mode_switches: Callable[[], int] = lambda: 0,
+        call_timeout: float = DEFAULT_CALL_TIMEOUT,
     ) -> None:
         self._ignored = _IgnoredXids(ignored_xids)
         self._timeout_ms = max(1, int(poll_seconds * 1000))
         self._clock = clock
         self._known_gpus = dict(known_gpus or {})
         self._mig_mode_switches = mig_mode_switches
+        self._nvml = _NvmlCalls(call_timeout)
 
     async def watch(self) -> AsyncIterator[NodeFaults]:
         switches = self._mig_mode_switches()
-        registered = await asyncio.to_thread(self._register)
-        waiting: asyncio.Task[list[_XidEvent]] | None = None
-        xids: dict[str, list[Fault]] = {}
         current: dict[str, tuple[Fault, ...]] | None = None
+        registered: _Registered | None = None
         try:
+            while registered is None:
+                try:
+                    registered = await self._nvml.call("registering the GPUs for Xid events", self._register)
+                except NvmlHungError as error:
+                    observed = self._observed(_Registered(None), {}, set(), int(self._clock()), error)
+                    latest = carry_over(current or {}, observed)
+                    if latest != current:
+                        current = latest
+                        yield latest
+                    await asyncio.sleep(self._timeout_ms / 1000)
+            xids: dict[str, list[Fault]] = {}
             while True:
-                if self._mig_mode_switches() != switches:
-                    switches = self._mig_mode_switches()
-                    stale, registered = registered, await asyncio.to_thread(self._register)
-                    await asyncio.to_thread(_free_event_set, stale.event_set)
-                    log.info(
-                        "a GPU switched MIG mode, which may reset it: its Xid events are registered again"
+                hung: NvmlHungError | None = None
+                try:
+                    if self._mig_mode_switches() != switches:
+                        fresh = await self._nvml.call("registering the GPUs for Xid events", self._register)
+                        switches = self._mig_mode_switches()
+                        stale, registered = registered, fresh
+                        await self._nvml.call("freeing an NVML event set", _free_event_set, stale.event_set)
+                        log.info(
+                            "a GPU switched MIG mode, which may reset it: its Xid events are registered again"
+                        )
+                    lost = await self._nvml.call(
+                        "checking which GPUs NVML reaches", self._unreachable, registered
                     )
-                lost = await asyncio.to_thread(self._unreachable, registered)
+                except NvmlHungError as error:
+                    hung, lost = error, set()
                 now = int(self._clock())
                 for uuid in set(xids) - lost:
-                    if current and any(f.kind is FaultKind.GPU_LOST for f in current.get(uuid, ())):
+                    if (
+                        hung is None
+                        and current
+                        and any(f.kind is FaultKind.GPU_LOST for f in current.get(uuid, ()))
+                    ):
                         log.info("a lost GPU answers again: it was reset; its faults end", gpu=uuid)
                         del xids[uuid]
-                observed = self._observed(registered, xids, lost, now)
+                observed = self._observed(registered, xids, lost, now, hung)
                 latest = carry_over(current or {}, observed)
                 if latest != current:
                     current = latest
                     yield latest
-                # Shielded: a cancelled watch must still wait for the thread before freeing the set.
-                waiting = asyncio.ensure_future(asyncio.to_thread(self._next_events, registered))
-                events = await asyncio.shield(waiting)
-                waiting = None
-                for event in events:
-                    self._record(event, registered, xids, now=int(self._clock()))
-                if registered.unidentified:
-                    await asyncio.to_thread(self._identify, registered)
+                try:
+                    events = await self._nvml.call(
+                        "waiting for NVML events",
+                        self._next_events,
+                        registered,
+                        extra_seconds=self._timeout_ms / 1000,
+                    )
+                    for event in events:
+                        self._record(event, registered, xids, now=int(self._clock()))
+                    if registered.unidentified:
+                        await self._nvml.call("identifying GPUs", self._identify, registered)
+                except NvmlHungError:
+                    await asyncio.sleep(self._timeout_ms / 1000)  # reported at the next round
         finally:
-            if waiting is not None:
-                with contextlib.suppress(Exception):
-                    await waiting
-            await asyncio.to_thread(_free_event_set, registered.event_set)
+            # A cancelled watch waits for its NVML call (an event wait: one period) before freeing
+            # the event set the call may use; a hung call keeps the set, and stopping goes on.
+            if registered is not None and await self._nvml.settled(self._timeout_ms / 1000 + 1):
+                await asyncio.to_thread(_free_event_set, registered.event_set)
+            elif registered is not None:
+                log.warning("an NVML call of the health watch never returned; its event set is not freed")
 
     def _observed(
-        self, registered: _Registered, xids: Mapping[str, list[Fault]], lost: Collection[str], now: int
+        self,
+        registered: _Registered,
+        xids: Mapping[str, list[Fault]],
+        lost: Collection[str],
+        now: int,
+        hung: NvmlHungError | None = None,
     ) -> dict[str, list[Fault]]:
         observed: dict[str, list[Fault]] = {uuid: list(faults) for uuid, faults in xids.items()}
         for uuid, why in registered.unmonitored.items():
             observed.setdefault(uuid, []).append(Fault(FaultKind.UNMONITORED, since=now, detail=why))
         for uuid in lost:
             observed.setdefault(uuid, []).append(Fault(FaultKind.GPU_LOST, since=now))
+        if hung is not None:
+            # Which GPU hangs NVML is unknown, so every GPU's faults go unseen until it answers.
+            for uuid in sorted({*registered.handles, *self._known_gpus.values()}):
+                faults = observed.setdefault(uuid, [])
+                if not any(f.kind is FaultKind.UNMONITORED for f in faults):
+                    faults.append(Fault(FaultKind.UNMONITORED, since=now, detail=str(hung)))
         return observed
 
     def _record(

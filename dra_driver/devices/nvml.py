@@ -162,6 +162,11 @@ class NvmlBackend:
     def inventory(self) -> Inventory:
         return self._bounded("reading the GPU inventory", self._inventory)
 
+    @property
+    def call_timeout(self) -> float:
+        """How long an NVML call may take before it counts as hung, in seconds."""
+        return self._call_timeout
+
     def known_gpus(self) -> dict[int, str]:
         """The uuid of each GPU by NVML index, as the last inventory read them."""
         return dict(self._known_gpus)

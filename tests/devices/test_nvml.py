@@ -295,6 +295,15 @@ def test_a_hanging_nvml_call_fails_the_read_with_a_timeout(node: Node) -> None:
         backend.inventory()
 
 
+def test_a_hanging_mig_creation_fails_that_request_and_the_backend_still_answers(node: Node) -> None:
+    backend = node.backend(call_timeout=0.3)
+    gpu = backend.inventory().gpus[0]
+    node.control("hang nvmlDeviceCreateGpuInstanceWithPlacement 2000 count=1")
+    with pytest.raises(DeviceError, match=rf"creating a MIG device on GPU {gpu.uuid}: NVML did not answer"):
+        backend.create_mig_device(gpu.uuid, TWO_G, Placement(2, 2))
+    assert [g.uuid for g in backend.inventory().gpus][:1] == [gpu.uuid]  # the next call is answered
+
+
 def test_the_inventory_dumps_to_json(node: Node) -> None:
     node.control("mig 0 1")
     gi = node.control(f"create-gi 0 {ONE_G} 3")

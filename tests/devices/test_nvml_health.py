@@ -138,3 +138,54 @@ async def test_xids_still_arrive_after_a_mig_mode_switch_reset_the_gpu(
     mock.control("xid 0 48")  # lost if the watch had kept the registrations the reset ended
     assert await asyncio.wait_for(pending, GUARD_S) == {first: (Fault(FaultKind.XID, T0, xid=48),)}
     await updates.aclose()  # type: ignore[attr-defined]
+
+
+def bounded_watch(backend: NvmlBackend, call_timeout: float) -> AsyncIterator[NodeFaults]:
+    return NvmlHealthSource(
+        poll_seconds=POLL_S, clock=lambda: T0, known_gpus=backend.known_gpus(), call_timeout=call_timeout
+    ).watch()
+
+
+async def test_a_hanging_health_check_reports_every_gpu_unmonitored_until_nvml_answers(
+    backend: NvmlBackend, mock: MockNvml
+) -> None:
+    updates = bounded_watch(backend, call_timeout=0.2)
+    assert await next_report(updates) == {}
+    with capture_logs() as logs:
+        mock.control("hang nvmlDeviceGetMemoryInfo 1500 count=1")  # the lost-GPU check's call
+        hung = await next_report(updates)
+    assert sorted(hung) == uuids(backend)
+    for faults in hung.values():
+        (only,) = faults
+        assert only.kind is FaultKind.UNMONITORED
+        assert "NVML did not answer checking which GPUs NVML reaches within 0.2s" in only.detail
+    assert any(e["event"] == "nvml_call_timed_out" for e in logs)
+    assert await next_report(updates) == {}  # the call returned: watched again
+    mock.control("xid 0 79")
+    assert await next_report(updates) == {uuids(backend)[0]: (Fault(FaultKind.XID, T0, xid=79),)}
+    await updates.aclose()  # type: ignore[attr-defined]
+
+
+async def test_a_registration_that_hangs_at_start_does_not_hold_up_the_watch(
+    backend: NvmlBackend, mock: MockNvml
+) -> None:
+    mock.control("hang nvmlEventSetCreate 1500 count=1")
+    updates = bounded_watch(backend, call_timeout=0.2)
+    first = await next_report(updates)
+    assert sorted(first) == uuids(backend)
+    assert all(f.kind is FaultKind.UNMONITORED for faults in first.values() for f in faults)
+    assert await next_report(updates) == {}  # registered once NVML answered
+    await updates.aclose()  # type: ignore[attr-defined]
+
+
+async def test_stopping_the_watch_during_a_hung_call_does_not_wait_for_it(
+    backend: NvmlBackend, mock: MockNvml
+) -> None:
+    updates = bounded_watch(backend, call_timeout=0.2)
+    assert await next_report(updates) == {}
+    mock.control("hang nvmlDeviceGetMemoryInfo 60000 count=1")
+    await next_report(updates)  # reported hung
+    with capture_logs() as logs:  # the guard is half the minute the call hangs
+        await asyncio.wait_for(updates.aclose(), GUARD_S)  # type: ignore[attr-defined]
+    assert any("never returned" in e["event"] for e in logs)
+    mock.control("clear-faults")
