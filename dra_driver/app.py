@@ -329,6 +329,7 @@ async def run_plugin(settings: Settings, stop: asyncio.Event | None = None) -> N
             settings.state_dir,
             settings.node_name,
             driver_root=settings.driver_root_mount or settings.driver_root,
+            procfs_root=settings.procfs_root,
             simulated_fabric=settings.simulate_fabric,
         )
         held.push_async_callback(asyncio.to_thread, backend.close)

@@ -120,6 +120,14 @@ class Settings(BaseSettings):
             "at /driver-root); unset: at the driver root's own path, as when running on the host."
         ),
     ] = None
+    procfs_root: Annotated[
+        Path,
+        Field(
+            description="Where the kernel's /proc is: the NVIDIA driver's MIG capability files "
+            "(driver/nvidia/capabilities) and its device majors (devices) are read there. The chart "
+            "mounts the host directory at the same path when it is not /proc."
+        ),
+    ] = Path("/proc")
     nvidia_cdi_hook_path: Annotated[
         str,
         Field(
@@ -267,7 +275,9 @@ class Settings(BaseSettings):
         # A Helm template or a shell renders an unset value as "": that means the default, not ".".
         return None if isinstance(value, str) and not value.strip() else value
 
-    @field_validator("plugins_dir", "registry_dir", "cdi_dir", "driver_root", "boot_id_file", mode="before")
+    @field_validator(
+        "plugins_dir", "registry_dir", "cdi_dir", "driver_root", "boot_id_file", "procfs_root", mode="before"
+    )
     @classmethod
     def _path_given(cls, value: object) -> object:
         if isinstance(value, str) and not value.strip():
@@ -291,6 +301,13 @@ class Settings(BaseSettings):
         value = value.strip()
         if value:
             http_host_port(value)
+        return value
+
+    @field_validator("procfs_root")
+    @classmethod
+    def _absolute_procfs(cls, value: Path) -> Path:
+        if not value.is_absolute():
+            raise ValueError(f"{str(value)!r} is not an absolute path; give where /proc is, e.g. /proc")
         return value
 
     @field_validator("nvidia_cdi_hook_path")

@@ -206,7 +206,7 @@ class DriverProcess:
                 *(f"{k}={environment[k]}" for k in sorted(environment) if k.startswith("MOCK_NVML_")),
             ]
             launcher.append(sys.executable)
-            backend = []
+            backend = [f"--procfs-root={paths.procfs}"]  # where the mock keeps the MIG capability files
         return [
             *launcher,
             "-m",
