@@ -1,7 +1,11 @@
 """A node on the NVML backend: the driver daemon loads the mock libnvidia-ml.so.1 from its driver root,
 as on a host, and reads a DGX H100 from NVIDIA's go-nvml mocks through NVML's C interface. The real
 scheduler allocates its GPUs, the kubelet harness prepares them, and an Xid the "hardware" reports
-(through the mock's control interface, on the state the daemon shares) taints the GPU."""
+(through the mock's control interface, on the state the daemon shares) taints the GPU.
+
+A dynamic MIG claim is created through NVML on the mock: MIG mode switched on (current and pending),
+the GPU instance at the allocated placement, its capability device nodes read from the mock's
+procfs (--procfs-root), and all of it undone when the pod goes."""
 
 from __future__ import annotations
 
@@ -10,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from dra_driver.resources.naming import mig_device_name
 from e2e import manifests
-from e2e.cluster import ClusterInfo, RestClient
+from e2e.cluster import ClusterInfo, JsonObject, RestClient
 from e2e.daemon import wait_until
 from e2e.driver import DRIVER_NAME, MOCK_NVML_DRIVER_VERSION
 from e2e.gpu_node import GpuNode, published_devices
@@ -33,10 +38,21 @@ TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
+def mig_device_class(cluster: ClusterInfo) -> Iterator[str]:
+    """docs/examples/deviceclass-mig.yaml, as a user installs it."""
+    rest = cluster.rest()
+    (device_class,) = manifests.load(manifests.EXAMPLES / "deviceclass-mig.yaml")
+    rest.create(manifests.collection("DeviceClass"), device_class)
+    yield device_class["metadata"]["name"]
+    rest.delete(manifests.object_path(device_class))
+
+
+@pytest.fixture(scope="module")
 def gpu_node(
     cluster: ClusterInfo,
     kubelet_harness_binary: Path,
     gpu_device_class: str,
+    mig_device_class: str,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[GpuNode]:
     """A DGX H100 on the mock NVML (replaces conftest.py's simulated node for this module)."""
@@ -114,3 +130,112 @@ def test_a_gpu_nvml_loses_is_tainted_noexecute_and_untainted_once_reset(
     )
     hardware(node, "reset 5")
     wait_until(lambda: not taints(), timeout_seconds=TIMEOUT_S, waiting_for="gpu-5 untainted after its reset")
+
+
+# --- dynamic MIG through NVML ---------------------------------------------------------------------------
+
+ONE_G_PROFILE_ID = 0  # NVIDIA's H100 mock reports NVML_GPU_INSTANCE_PROFILE_1_SLICE as the profile id
+
+
+def mig_claim_on(rest: RestClient, node: GpuNode, namespace: str, name: str, gpu: int) -> None:
+    """A pod with a claim for one 1g.10gb MIG device on the node's GPU ``gpu`` (by its parent UUID)."""
+    parent = MockNvml().state(node.driver.paths.mock_nvml_state)["gpus"][gpu]["uuid"]
+    selectors = [
+        f'device.attributes["{DRIVER_NAME}"].profile == "1g.10gb"',
+        f'device.attributes["{DRIVER_NAME}"].parentUUID == "{parent}"',
+    ]
+    template: JsonObject = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": name},
+        "spec": {
+            "spec": {
+                "devices": {
+                    "requests": [
+                        {
+                            "name": "mig",
+                            "exactly": {
+                                "deviceClassName": "mig.dra-driver.dev",
+                                "selectors": [{"cel": {"expression": e}} for e in selectors],
+                            },
+                        }
+                    ]
+                }
+            }
+        },
+    }
+    pod: JsonObject = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "resourceClaims": [{"name": "mig", "resourceClaimTemplateName": name}],
+            "containers": [
+                {"name": "app", "image": "ubuntu:24.04", "resources": {"claims": [{"name": "mig"}]}}
+            ],
+        },
+    }
+    manifests.apply(rest, manifests.pinned([template, pod], node.name), namespace)
+
+
+def gpu_state(node: GpuNode, gpu: int) -> JsonObject:
+    state: JsonObject = MockNvml().state(node.driver.paths.mock_nvml_state)["gpus"][gpu]
+    return state
+
+
+def test_a_dynamic_mig_claim_is_made_through_nvml_and_undone_when_its_pod_goes(
+    rest: RestClient, node: GpuNode, namespace: str
+) -> None:
+    assert (gpu_state(node, 4)["migCurrent"], gpu_state(node, 4)["migPending"]) == (0, 0)
+    mig_claim_on(rest, node, namespace, "mig-nvml", gpu=4)
+    pod = wait_running(rest, namespace, "mig-nvml")
+    claim = pod_claim(rest, pod, "mig")
+    (device,) = allocated_devices(claim)
+    made = gpu_state(node, 4)
+    assert (made["migCurrent"], made["migPending"]) == (1, 1)  # switched on, nothing left pending
+    (instance,) = made["gpuInstances"]  # one GPU instance, at the allocated placement
+    assert device == mig_device_name(4, "1g.10gb", ONE_G_PROFILE_ID, instance["placement"]["start"])
+    assert len(instance["computeInstances"]) == 1
+    spec = check_cdi_spec(node, claim)  # /dev/nvidia4 and the two nvidia-caps nodes the mock's procfs names
+    (edits,) = [d["containerEdits"] for d in spec["devices"] if d["name"].endswith(device)]
+    caps = [n["path"] for n in edits["deviceNodes"] if "nvidia-caps" in n["path"]]
+    assert len(caps) == 2
+    delete_pod(rest, namespace, "mig-nvml")
+    wait_until(
+        lambda: gpu_state(node, 4)["gpuInstances"] == [] and gpu_state(node, 4)["migCurrent"] == 0,
+        timeout_seconds=TIMEOUT_S,
+        waiting_for="the MIG device destroyed and MIG mode off again on GPU 4",
+    )
+    assert gpu_state(node, 4)["migPending"] == 0
+
+
+def test_mig_on_a_busy_gpu_fails_its_claim_keeps_mig_mode_off_and_succeeds_once_idle(
+    rest: RestClient, node: GpuNode, namespace: str
+) -> None:
+    hardware(node, "busy 6 on")  # processes on the full GPU: NVML refuses the MIG-mode switch, IN_USE
+    mig_claim_on(rest, node, namespace, "mig-busy", gpu=6)
+    selector = "involvedObject.kind=Pod,involvedObject.name=mig-busy,reason=FailedPrepareDynamicResources"
+
+    def failure() -> JsonObject | None:
+        query = {"fieldSelector": selector}
+        items: list[JsonObject] = rest.request("GET", f"/api/v1/namespaces/{namespace}/events", query=query)[
+            "items"
+        ]
+        return items[0] if items else None
+
+    event = wait_until(
+        failure, timeout_seconds=TIMEOUT_S, waiting_for="a FailedPrepareDynamicResources event"
+    )
+    assert "the GPU is in use" in event["message"]
+    # NVML set the pending mode before refusing; the driver put it back, or MIG mode would come on at
+    # the GPU's next reset.
+    assert (gpu_state(node, 6)["migCurrent"], gpu_state(node, 6)["migPending"]) == (0, 0)
+    hardware(node, "busy 6 off")
+    wait_running(rest, namespace, "mig-busy")  # the kubelet retries; now NVML lets it
+    assert gpu_state(node, 6)["migCurrent"] == 1
+    delete_pod(rest, namespace, "mig-busy")
+    wait_until(
+        lambda: gpu_state(node, 6)["gpuInstances"] == [] and gpu_state(node, 6)["migCurrent"] == 0,
+        timeout_seconds=TIMEOUT_S,
+        waiting_for="GPU 6 back to MIG mode off",
+    )

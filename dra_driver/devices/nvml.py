@@ -180,7 +180,17 @@ class NvmlBackend:
         return self._bounded(
             f"creating a MIG device on GPU {parent_uuid}",
             lambda: self._create_mig_device(parent_uuid, profile_id, placement),
+            abandoned=self._destroy_abandoned,
         )
+
+    def _destroy_abandoned(self, mig: MigDevice) -> None:
+        """A MIG device whose creation outlived its timeout: its claim has failed, so nobody has it."""
+        try:
+            self._destroy_mig_device(mig.parent_uuid, mig.uuid)
+        except (pynvml.NVMLError, DeviceError) as e:
+            log.error("abandoned_mig_device_not_destroyed", gpu=mig.parent_uuid, mig=mig.uuid, error=str(e))
+            return
+        log.warning("abandoned_mig_device_destroyed", gpu=mig.parent_uuid, mig=mig.uuid)
 
     def destroy_mig_device(self, parent_uuid: str, mig_uuid: str) -> None:
         self._bounded(
@@ -196,29 +206,45 @@ class NvmlBackend:
 
     # --- bounded calls -----------------------------------------------------------------------------
 
-    def _bounded(self, action: str, call: Callable[[], T]) -> T:
+    def _bounded(self, action: str, call: Callable[[], T], abandoned: Callable[[T], None] | None = None) -> T:
         """``call()`` in a worker thread, waited for at most ``call_timeout`` seconds.
 
         NVML calls can block in the kernel driver (a GPU that stops answering). The worker is a
         daemon thread, so one that never returns neither blocks this caller nor the process exit.
+        A call that returns after its caller gave up hands its result to ``abandoned`` (a MIG
+        device made for a claim that has already failed is destroyed again).
         """
         done: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+        lock = threading.Lock()
+        gave_up = False
 
         def run() -> None:
             try:
-                done.put((True, call()))
+                value = call()
             except BaseException as e:  # handed to the caller's thread
                 done.put((False, e))
+                return
+            with lock:
+                late = gave_up
+                if not late:
+                    done.put((True, value))
+            if late and abandoned is not None:
+                abandoned(value)
 
         threading.Thread(target=run, name="nvml-call", daemon=True).start()
         try:
             ok, value = done.get(timeout=self._call_timeout)
         except queue.Empty:
-            log.error("nvml_call_timed_out", action=action, timeout_seconds=self._call_timeout)
-            raise DeviceError(
-                f"{action}: NVML did not answer within {self._call_timeout:g}s; the GPU or its driver "
-                "is hung (check dmesg for Xid errors; a GPU reset or a node reboot clears it)"
-            ) from None
+            with lock:  # the result may have come in since; else the worker now knows it is too late
+                gave_up = True
+                arrived = None if done.empty() else done.get_nowait()
+            if arrived is None:
+                log.error("nvml_call_timed_out", action=action, timeout_seconds=self._call_timeout)
+                raise DeviceError(
+                    f"{action}: NVML did not answer within {self._call_timeout:g}s; the GPU or its driver "
+                    "is hung (check dmesg for Xid errors; a GPU reset or a node reboot clears it)"
+                ) from None
+            ok, value = arrived
         if ok:
             result: T = value
             return result

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -249,10 +250,9 @@ def test_a_gpu_instance_without_a_compute_instance_keeps_its_slices(node: Node) 
     assert gpu.mig_devices == ()
     assert gpu.reserved_placements == (("4g.40gb", Placement(0, 4)),)
     offered = {d["name"] for d in build_devices(inventory)[0].devices}
-    assert not any(
-        name.startswith("gpu-0-mig-1g.10gb") and name.endswith(("-0", "-1", "-2", "-3")) for name in offered
-    )
-    assert any(name.endswith("-4") for name in offered)  # the free slices are still offered
+    one_g = {f"gpu-0-mig-1g10gb-{ONE_G}-{start}" for start in range(7)}
+    # Only the free slices are offered (the names carry the profile without its dot).
+    assert offered & one_g == {f"gpu-0-mig-1g10gb-{ONE_G}-{start}" for start in (4, 5, 6)}
 
 
 def test_a_gpu_instance_with_several_compute_instances_is_not_published(node: Node) -> None:
@@ -302,6 +302,22 @@ def test_a_hanging_mig_creation_fails_that_request_and_the_backend_still_answers
     with pytest.raises(DeviceError, match=rf"creating a MIG device on GPU {gpu.uuid}: NVML did not answer"):
         backend.create_mig_device(gpu.uuid, TWO_G, Placement(2, 2))
     assert [g.uuid for g in backend.inventory().gpus][:1] == [gpu.uuid]  # the next call is answered
+
+
+def test_a_mig_device_made_after_its_creation_timed_out_is_destroyed_again(node: Node) -> None:
+    backend = node.backend(call_timeout=0.3)
+    gpu = backend.inventory().gpus[0]
+    node.control("hang nvmlDeviceCreateGpuInstanceWithPlacement 1500 count=1")
+    with capture_logs() as logs:
+        with pytest.raises(DeviceError, match="NVML did not answer"):
+            backend.create_mig_device(gpu.uuid, TWO_G, Placement(2, 2))
+        # NVML goes on and makes it; the claim it was for has failed, so it must not stay.
+        deadline = time.monotonic() + 30
+        while not any(e["event"] == "abandoned_mig_device_destroyed" for e in logs):
+            assert time.monotonic() < deadline, "the late MIG device was never destroyed"
+            time.sleep(0.05)
+    state = node.gpu_state(0)
+    assert (state["gpuInstances"], state["migCurrent"], state["migPending"]) == ([], 0, 0)
 
 
 def test_the_inventory_dumps_to_json(node: Node) -> None:
@@ -477,3 +493,33 @@ def test_a_gpu_lost_later_stays_as_last_read_so_its_taint_has_a_device(node: Nod
     with capture_logs() as logs:
         assert backend.inventory().gpus == before.gpus
     assert [e["index"] for e in logs if e["event"] == "gpu_read_failed_kept_as_last_read"] == [1]
+
+
+def test_a_rollback_that_fails_every_attempt_leaves_the_slices_reserved_not_free(node: Node) -> None:
+    backend = node.backend()
+    uuid = backend.inventory().gpus[0].uuid
+    (node.procfs / "devices").write_text(
+        "Character devices:\n195 nvidia\n\nBlock devices:\n"
+    )  # no nvidia-caps
+    node.control("fail nvmlGpuInstanceDestroy 999 count=3")  # each of the rollback's attempts
+    with capture_logs() as logs, pytest.raises(DeviceError, match="no nvidia-caps"):
+        backend.create_mig_device(uuid, THREE_G, Placement(4, 3))
+    assert [e["attempt"] for e in logs if e["event"] == "mig_rollback_failed"] == [1, 2, 3]
+    (left,) = node.gpu_state(0)["gpuInstances"]  # the GPU instance outlived the rollback ...
+    assert left["computeInstances"] == []
+    install_procfs(node.procfs)
+    inventory = backend.inventory()
+    # ... and its slices are never offered: no device is published that overlaps them.
+    assert inventory.gpus[0].reserved_placements == (("3g.40gb", Placement(4, 3)),)
+    offered = {d["name"] for d in build_devices(inventory)[0].devices}
+    one_g = {f"gpu-0-mig-1g10gb-{ONE_G}-{start}" for start in range(7)}
+    assert offered & one_g == {f"gpu-0-mig-1g10gb-{ONE_G}-{start}" for start in (0, 1, 2, 3)}
+
+
+def test_a_control_node_that_loads_after_start_is_in_the_next_inventory(node: Node) -> None:
+    uvm = node.root / "dev" / "nvidia-uvm"
+    uvm.unlink()  # nvidia-uvm loads lazily, at the first CUDA call on the host
+    backend = node.backend()
+    assert "/dev/nvidia-uvm" not in [n.path for n in backend.inventory().control_nodes]
+    uvm.symlink_to("/dev/zero")
+    assert "/dev/nvidia-uvm" in [n.path for n in backend.inventory().control_nodes]
