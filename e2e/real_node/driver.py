@@ -124,13 +124,19 @@ def _ready(pod: client.V1Pod) -> bool:
     return any(c.type == "Ready" and c.status == "True" for c in (pod.status.conditions or []))
 
 
-def install_driver(cluster: ClusterInfo, node: RealNode, helm: Path, tag: str | None = None) -> DriverRelease:
+def install_driver(
+    cluster: ClusterInfo,
+    node: RealNode,
+    helm: Path,
+    tag: str | None = None,
+    replace: dict[str, str] | None = None,
+) -> DriverRelease:
+    """``replace``: `--set` values swapped for others (``{"simulate=dgx-h100": "simulate="}``)."""
     from e2e.realnode.images import chart_app_version
 
     release = DriverRelease(cluster, node, helm, tag or chart_app_version())
-    release.helm_run(
-        "install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--create-namespace", *release.values()
-    )
+    values = [(replace or {}).get(value, value) for value in release.values()]
+    release.helm_run("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--create-namespace", *values)
     release.wait_ready()
     release.wait_published()
     return release

@@ -50,3 +50,26 @@ def make_driver_root(root: Path, profile: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists():
             os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+
+
+def make_nvml_driver_root(
+    root: Path, mock_library: Path, driver_version: str, profile: str = "dgx-h100"
+) -> None:
+    """A driver root for the NVML backend: as :func:`make_driver_root`, with the mock
+    libnvidia-ml.so.1 (hack/mock-nvml) where a Debian/Ubuntu host keeps NVML.
+
+    The library is copied, not linked: the plugin's container sees only the driver root. The
+    user-space libraries carry the version the mock's driver reports, as a host's do.
+    """
+    make_driver_root(root, profile)
+    libraries = root / LIBRARY_DIR
+    for name in LIBRARIES:
+        versioned = libraries / f"{name}.so.{driver_version}"
+        if name == "libnvidia-ml":
+            versioned.write_bytes(mock_library.read_bytes())
+        else:
+            versioned.write_text(f"simulated {name} {driver_version}\n")
+        link = libraries / f"{name}.so.1"
+        link.unlink(missing_ok=True)
+        link.symlink_to(versioned.name)
+        (libraries / f"{name}.so.{DRIVER_VERSION}").unlink(missing_ok=True)

@@ -1,0 +1,89 @@
+"""The NVML backend in the chart's own image on the real node, on the mock libnvidia-ml.so.1.
+
+The chart is installed without `simulate`: the plugin pod (containerd, runc) loads NVML from the
+driver root it mounts, where the mock library sits at a host's usual place
+(usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1), and reads a DGX H100 of NVIDIA's go-nvml mocks
+through NVML's C interface. A workload pod then gets a GPU the NVML backend prepared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+
+from e2e.cluster import ClusterInfo
+from e2e.driver import MOCK_NVML_DRIVER_VERSION
+from e2e.real_node.driver import PROFILE, DriverRelease, install_driver
+from e2e.real_node.gpu_view import (
+    allocated_devices,
+    container,
+    create,
+    gpu_claim_template,
+    pod_manifest,
+    view_of,
+)
+from e2e.realnode.driver_root import make_nvml_driver_root
+from e2e.realnode.node import RealNode
+from tests.mock_nvml import mock_nvml_library
+
+pytestmark = pytest.mark.real_node
+
+
+@pytest.fixture(scope="module")
+def nvml_driver(real_cluster: ClusterInfo, real_node: RealNode, helm: Path) -> Iterator[DriverRelease]:
+    """The chart on the NVML backend: no `simulate`, a driver root holding the mock NVML."""
+    assert real_node.layout is not None
+    root = real_node.layout.driver_root.parent / "driver-root-nvml"
+    make_nvml_driver_root(root, mock_nvml_library(), MOCK_NVML_DRIVER_VERSION)
+    release = install_driver(
+        real_cluster,
+        real_node,
+        helm,
+        replace={
+            f"simulate={PROFILE}": "simulate=",
+            f"driverRoot={real_node.layout.driver_root}": f"driverRoot={root}",
+        },
+    )
+    try:
+        yield release
+    finally:
+        release.uninstall()
+
+
+def _published(release: DriverRelease) -> dict[str, dict[str, object]]:
+    return {d["name"]: d["attributes"] for s in release.slices() for d in s["spec"].get("devices", [])}
+
+
+def test_the_plugin_pod_publishes_the_gpus_nvml_reports(nvml_driver: DriverRelease) -> None:
+    devices = _published(nvml_driver)
+    full = sorted(n for n, a in devices.items() if a["type"] == {"string": "gpu"})
+    assert full == [f"gpu-{i}" for i in range(8)]
+    assert devices["gpu-0"]["productName"] == {"string": "NVIDIA H100 80GB HBM3"}  # NVIDIA's mock
+    assert devices["gpu-0"]["driverVersion"] == {"version": MOCK_NVML_DRIVER_VERSION}
+
+
+def test_a_pod_gets_a_gpu_the_nvml_backend_prepared(
+    nvml_driver: DriverRelease, real_api: client.ApiClient, namespace: str
+) -> None:
+    create(real_api, namespace, gpu_claim_template("nvml-gpu"))
+    create(
+        real_api,
+        namespace,
+        pod_manifest(
+            "nvml-gpu", {"gpu": {"resourceClaimTemplateName": "nvml-gpu"}}, [container("app", ["gpu"])]
+        ),
+    )
+    view = view_of(real_api, namespace, "nvml-gpu", "app")
+    (device,) = allocated_devices(real_api, namespace, "nvml-gpu")["gpu"]
+    minor = int(device.split("-")[1])
+    assert view.gpu_nodes == {f"/dev/nvidia{minor}": (195, minor)}
+    uuid = _published(nvml_driver)[device]["uuid"]
+    assert view.uuids == {f"DRA_GPU_UUID_{device.upper().replace('-', '_')}": uuid["string"]}  # type: ignore[index]
+    # The driver's files of the version NVML reports, the mock NVML among them.
+    assert {
+        f"libnvidia-ml.so.{MOCK_NVML_DRIVER_VERSION}",
+        f"libcuda.so.{MOCK_NVML_DRIVER_VERSION}",
+    } <= view.libraries
