@@ -523,3 +523,16 @@ def test_a_control_node_that_loads_after_start_is_in_the_next_inventory(node: No
     assert "/dev/nvidia-uvm" not in [n.path for n in backend.inventory().control_nodes]
     uvm.symlink_to("/dev/zero")
     assert "/dev/nvidia-uvm" in [n.path for n in backend.inventory().control_nodes]
+
+
+def test_a_gpu_whose_mig_state_cannot_be_read_is_left_out_with_a_reason(node: Node) -> None:
+    node.control("mig 0 1")
+    gi = node.control(f"create-gi 0 {ONE_G} 0")
+    node.control(f"create-ci 0 {gi} 0")
+    node.control("fail nvmlDeviceGetMigDeviceHandleByIndex 999 gpu=0")  # NVML_ERROR_UNKNOWN
+    with capture_logs() as logs:
+        gpus = node.backend().inventory().gpus
+    assert [gpu.index for gpu in gpus] == [1]
+    (left_out,) = [e for e in logs if e["event"] == "gpu_left_out_of_inventory"]
+    assert left_out["index"] == 0
+    assert "reading GPU 0: Unknown Error" in left_out["error"]

@@ -210,3 +210,13 @@ def test_a_malformed_fabric_setting_fails_nvml_init_with_the_reason_on_stderr(tm
     )
     assert done.returncode != 0
     assert 'MOCK_NVML_FABRIC: fabric "rack-one/1": "rack-one" is not a UUID' in done.stderr
+
+
+def test_a_driver_without_the_fabric_call_reports_no_fabric_and_keeps_the_gpus(
+    open_backend: Callable[[str], NvmlBackend], mock: MockNvml
+) -> None:
+    backend = open_backend("gb200nvl72")
+    mock.control("fail nvmlDeviceGetGpuFabricInfo 13")  # FUNCTION_NOT_FOUND: a driver older than the call
+    mock.control("fail nvmlDeviceGetAddressingMode 13")
+    inventory = backend.inventory()
+    assert [(gpu.fabric, gpu.addressing_mode) for gpu in inventory.gpus] == [(None, None)] * 4
