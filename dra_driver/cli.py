@@ -242,8 +242,17 @@ def _inventory(args: argparse.Namespace) -> int:
     for gpu in sorted(inventory.gpus, key=lambda g: g.minor):
         print(f"#   {_gpu_line(gpu)}")
     print(f"# {len(plan.apply)} ResourceSlices follow (kubectl apply -f accepts them)")
-    yaml.safe_dump_all(list(plan.apply), sys.stdout, sort_keys=False, default_flow_style=False)
+    yaml.dump_all(list(plan.apply), sys.stdout, Dumper=_PlainDumper, sort_keys=False)
     return 0
+
+
+class _PlainDumper(yaml.SafeDumper):
+    """Writes shared values out in full: the slices share attribute and counter objects, and
+    YAML anchors (``&id001`` ... ``*id001``) would make the output unreadable to a person
+    and to tools that do not resolve them."""
+
+    def ignore_aliases(self, data: object) -> bool:
+        return True
 
 
 def _gpu_line(gpu: Gpu) -> str:

@@ -37,6 +37,9 @@ def test_inventory_prints_the_gpus_and_the_slices_it_would_publish() -> None:
     assert len(devices) == len(full_gpus) + len(migs) + len(maintenance)
     assert all(s["spec"]["nodeName"] == "gpu-node-7" for s in slices)
     assert all(s["spec"]["pool"]["resourceSliceCount"] == len(slices) for s in slices)
+    # Written out in full, as kubectl would show it: no YAML anchors or aliases.
+    assert "&id" not in result.stdout
+    assert "*id" not in result.stdout
 
 
 def test_inventory_is_deterministic_per_node_name() -> None:
