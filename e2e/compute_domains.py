@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -71,8 +72,14 @@ class ExtraControllers:
 
 
 class ControllerProcess:
-    def __init__(self, kubeconfig: Path, namespace: str, log: Path, ready_timeout: float) -> None:
+    """One replica of `dra-driver compute-domain-controller`; replicas elect a leader on a Lease."""
+
+    LEASE = "cd-dra-driver-gpu-compute-domain-controller"  # the chart's, for release "cd"
+    LEASE_SECONDS = 3.0  # short, so that a hand-over fits in a test
+
+    def __init__(self, kubeconfig: Path, namespace: str, log: Path, ready_timeout: float, name: str) -> None:
         self.namespace = namespace
+        self.name = name
         self._argv = [
             sys.executable,
             "-m",
@@ -84,16 +91,36 @@ class ControllerProcess:
             f"--kubeconfig={kubeconfig}",
             f"--daemon-ready-timeout-seconds={ready_timeout}",
             "--resync-seconds=30",
+            f"--lease-name={self.LEASE}",
+            f"--lease-duration-seconds={self.LEASE_SECONDS}",
             "--log-format=console",
         ]
-        self.daemon = Daemon("compute-domain-controller", log)
+        self.daemon = Daemon(f"compute-domain-controller[{name}]", log)
+        self._offset = 0
 
     def start(self) -> None:
+        """Starts the replica; returns once it takes part in the election (it may stand by)."""
+        self._offset = self.daemon.log_size()
         self.daemon.start(
-            self._argv,
-            lambda offset: "controller running" in self.daemon.log_since(offset),
+            [*self._argv],
+            lambda offset: "waiting for the leader lease" in self.daemon.log_since(offset),
             timeout_seconds=60,
         )
+
+    def log(self) -> str:
+        """What this run of the replica logged."""
+        return self.daemon.log_since(self._offset)
+
+    @property
+    def leading(self) -> bool:
+        return self.daemon.running and "controller running" in self.log()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crashed or cut-off node would: the Lease is not released."""
+        pid = self.daemon.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        self.daemon.stop()  # reaps it
 
     def stop(self) -> None:
         self.daemon.stop()
@@ -204,6 +231,7 @@ class DaemonPodRunner:
             NODE_NAME=node,
             POD_IP=self.pod_ips[node],
             POD_NAME=pod["metadata"]["name"],
+            POD_UID=pod["metadata"]["uid"],
             POD_NAMESPACE=self.namespace,
             DRA_DRIVER_NAME=DRIVER,
             DRA_KUBECONFIG=str(self.kubeconfig),

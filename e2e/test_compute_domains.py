@@ -45,6 +45,7 @@ class Rack:
     nodes: dict[str, GpuNode]
     runner: DaemonPodRunner
     driver_namespace: str
+    controllers: list[ControllerProcess]
 
     def clique_of(self, node: str) -> str:
         return f"{CLUSTER_UUID}.{CLIQUES[node]}"
@@ -112,14 +113,15 @@ def rack(
         for collection, obj in _chart_compute_domain_objects(driver_namespace):
             rest.create(collection, obj)
             created.append(f"{collection}/{obj['metadata']['name']}")
-        rest.wait_for(
-            "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
-            "computedomains.resource.nvidia.com",
-            lambda crd: any(
-                c["type"] == "Established" and c["status"] == "True"
-                for c in crd.get("status", {}).get("conditions", [])
-            ),
-        )
+        for crd_name in ("computedomains.resource.nvidia.com", "computedomaincliques.resource.nvidia.com"):
+            rest.wait_for(
+                "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
+                crd_name,
+                lambda crd: any(
+                    c["type"] == "Established" and c["status"] == "True"
+                    for c in crd.get("status", {}).get("conditions", [])
+                ),
+            )
 
         extra = ExtraControllers(control_plane_binaries, cluster, base / "kube-controller-manager.log")
         extra.start()
@@ -134,11 +136,17 @@ def rack(
         daemon_kubeconfig = _kubeconfig_of(
             cluster, driver_namespace, "compute-domain-daemon", base / "daemon.kubeconfig"
         )
-        controller = ControllerProcess(
-            controller_kubeconfig, driver_namespace, base / "controller.log", READY_TIMEOUT
-        )
-        controller.start()
-        stops.append(controller.stop)
+        # Two replicas, as with `computeDomainController.replicas: 2`: one leads, one stands by.
+        controllers = [
+            ControllerProcess(
+                controller_kubeconfig, driver_namespace, base / f"controller-{n}.log", READY_TIMEOUT, n
+            )
+            for n in ("a", "b")
+        ]
+        for controller in controllers:
+            controller.start()
+            stops.append(controller.stop)
+        wait(lambda: any(c.leading for c in controllers), timeout=60, what="a controller to lead")
 
         nodes: dict[str, GpuNode] = {}
         for name, clique in CLIQUES.items():
@@ -158,7 +166,7 @@ def rack(
         runner = DaemonPodRunner(rest, daemon_kubeconfig, driver_namespace, nodes, pod_ips, port, base)
         runner.start()
         stops.append(runner.stop)
-        yield Rack(rest, nodes, runner, driver_namespace)
+        yield Rack(rest, nodes, runner, driver_namespace, controllers)
     finally:
         for stop in reversed(stops):
             stop()
@@ -188,6 +196,12 @@ def _events(rest: RestClient, namespace: str, name: str) -> list[dict[str, Any]]
         for e in items
         if e["involvedObject"].get("kind") == "ComputeDomain" and e["involvedObject"]["name"] == name
     ]
+
+
+def _cliques(rack: Rack) -> list[dict[str, Any]]:
+    path = f"/apis/resource.nvidia.com/v1beta1/namespaces/{rack.driver_namespace}/computedomaincliques"
+    items: list[dict[str, Any]] = rack.rest.request("GET", path)["items"]
+    return items
 
 
 def _labelled_nodes(rest: RestClient) -> dict[str, str]:
@@ -252,6 +266,15 @@ def test_a_two_node_domain_runs_its_job_on_one_clique_and_cleans_up(rack: Rack, 
     ]
     assert rack.runner.running_on() == set(hosts)
     assert _labelled_nodes(rest) == dict.fromkeys(hosts, ready["metadata"]["uid"])
+    # The daemons met in their ComputeDomainClique (NVIDIA's): one object for the domain's clique,
+    # <domainUID>.<cliqueID> in the driver's namespace, owned by the daemon pods.
+    (clique,) = _cliques(rack)
+    uid = ready["metadata"]["uid"]
+    assert clique["metadata"]["name"] == f"{uid}.{rack.clique_of(hosts[0])}"
+    assert clique["metadata"]["labels"]["resource.nvidia.com/computeDomain"] == uid
+    assert sorted((d["nodeName"], d["status"]) for d in clique["daemons"]) == [(h, "Ready") for h in hosts]
+    daemon_pods = {p["metadata"]["uid"] for p in _pods(rest, rack.driver_namespace, LABEL)}
+    assert {o["uid"] for o in clique["metadata"]["ownerReferences"]} == daemon_pods
 
     # A third worker finds no node: the clique's two channels are taken and the other clique is not
     # the domain's. It waits, unscheduled.
@@ -312,6 +335,7 @@ def test_a_two_node_domain_runs_its_job_on_one_clique_and_cleans_up(rack: Rack, 
     templates = rest.request("GET", "/apis/resource.k8s.io/v1/resourceclaimtemplates")["items"]
     assert not [t for t in templates if LABEL in (t["metadata"].get("labels") or {})]
     assert _labelled_nodes(rest) == {}
+    assert not _cliques(rack)
     wait(lambda: not rack.runner.running_on(), timeout=60, what="the IMEX daemons to stop")
     for node in rack.nodes.values():
         wait(
@@ -447,3 +471,55 @@ def test_a_daemon_that_never_becomes_ready_shows_in_the_status(
     wait(lambda: not rest.request("GET", domains_path(namespace))["items"], timeout=90, what="deletion")
     wait(lambda: not _labelled_nodes(rest), timeout=60, what="the node label to go")
     wait(lambda: not rack.runner.running_on(), timeout=60, what="the daemon to stop")
+
+
+def test_of_two_controllers_one_leads_and_a_killed_leader_hands_over(rack: Rack, namespace: str) -> None:
+    """Two replicas: only the Lease holder reconciles; SIGKILLed (no release), the other takes over."""
+    rest = rack.rest
+    lease_path = (
+        f"/apis/coordination.k8s.io/v1/namespaces/{rack.driver_namespace}/leases/{ControllerProcess.LEASE}"
+    )
+    (leader,) = [c for c in rack.controllers if c.leading]
+    (standby,) = [c for c in rack.controllers if c is not leader]
+    before = rest.get(lease_path)["spec"]
+    # The earlier tests' domains were set up and judged by the leader alone.
+    assert "ComputeDomain set up" in leader.log()
+    assert "ComputeDomain" not in standby.log()
+    assert "became the leader" not in standby.log()
+
+    leader.kill()
+    wait(
+        lambda: standby.leading,
+        timeout=ControllerProcess.LEASE_SECONDS * 4 + 30,
+        what="the standby to take the Lease over",
+    )
+    after = rest.get(lease_path)["spec"]
+    assert after["holderIdentity"] != before["holderIdentity"]
+    assert after["leaseTransitions"] == before["leaseTransitions"] + 1
+
+    # The new leader acts on a new domain.
+    domain = {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "ComputeDomain",
+        "metadata": {"name": "after-handover"},
+        "spec": {"numNodes": 1, "channel": {"resourceClaimTemplate": {"name": "after-handover-channel"}}},
+    }
+    rest.create(domains_path(namespace), domain)
+    rest.wait_for(
+        f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates",
+        "after-handover-channel",
+        lambda _: True,
+    )
+    assert "ComputeDomain set up" in standby.log()
+
+    # The old leader comes back as the standby: the Lease is held, so it waits.
+    leader.start()
+    wait(
+        lambda: rest.get(lease_path)["spec"]["renewTime"] != after["renewTime"],
+        timeout=30,
+        what="the new leader to renew",
+    )
+    assert not leader.leading
+    rest.delete(domains_path(namespace, "after-handover"))
+    wait(lambda: not rest.request("GET", domains_path(namespace))["items"], timeout=60, what="deletion")
+    assert "ComputeDomain" not in leader.log()

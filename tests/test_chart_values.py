@@ -265,17 +265,22 @@ def _compute_domain_object(manifest: Manifest) -> bool:
 
 def test_compute_domains_use_nvidias_names_when_deployed_as_nvidia(helm: Path) -> None:
     manifests = render(helm, {"driverName": "gpu.nvidia.com"})
-    (crd,) = of_kind(manifests, "CustomResourceDefinition")
-    assert crd["metadata"]["name"] == "computedomains.resource.nvidia.com"
-    assert [v["name"] for v in crd["spec"]["versions"]] == ["v1beta1"]
+    crds = of_kind(manifests, "CustomResourceDefinition")
+    assert sorted(c["metadata"]["name"] for c in crds) == [
+        "computedomaincliques.resource.nvidia.com",
+        "computedomains.resource.nvidia.com",
+    ]
+    assert all([v["name"] for v in c["spec"]["versions"]] == ["v1beta1"] for c in crds)
     classes = {m["metadata"]["name"] for m in of_kind(manifests, "DeviceClass")}
     assert {"compute-domain-default-channel.nvidia.com", "compute-domain-daemon.nvidia.com"} <= classes
     (deployment,) = of_kind(manifests, "Deployment")
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert container["command"] == ["dra-driver", "compute-domain-controller"]
     ours = render(helm, {})
-    (crd,) = of_kind(ours, "CustomResourceDefinition")
-    assert crd["metadata"]["name"] == "computedomains.resource.dra-driver.dev"
+    assert sorted(c["metadata"]["name"] for c in of_kind(ours, "CustomResourceDefinition")) == [
+        "computedomaincliques.resource.dra-driver.dev",
+        "computedomains.resource.dra-driver.dev",
+    ]
 
 
 def test_compute_domains_can_be_left_out(helm: Path) -> None:

@@ -1,7 +1,8 @@
 """A node's place in a multi-node NVLink fabric, from its GPUs' fabric info.
 
 NVML reports, per GPU, the cluster UUID and clique id of the NVLink partition the GPU registered
-with (``nvmlDeviceGetGpuFabricInfo``), and how far that registration got. A node joins an IMEX
+with (``nvmlDeviceGetGpuFabricInfo``, the call NVIDIA's compute-domain plugin makes), how far that
+registration got and, once completed, whether it succeeded. A node joins an IMEX
 domain only when every one of its GPUs completed registration in one and the same clique: GPUs of
 one node in two cliques, or some without a fabric, would break the memory sharing a workload
 expects, so such a node is not offered for ComputeDomains at all (and says why).
@@ -13,6 +14,8 @@ import uuid
 from dataclasses import dataclass
 
 from dra_driver.devices.types import FabricInfo, FabricState, Inventory
+
+SUCCESS = "Success"  # the registration status of a GPU that registered (nvmlReturn_t NVML_SUCCESS)
 
 _NVML_STATES = {
     0: FabricState.NOT_SUPPORTED,
@@ -26,6 +29,10 @@ def fabric_from_nvml(cluster_uuid: bytes, clique_id: int, state: int, status: st
     """``nvmlGpuFabricInfo_t``'s fields as fabric info; None when the GPU has no NVLink fabric."""
     fabric_state = _NVML_STATES.get(state, FabricState.NOT_SUPPORTED)
     if fabric_state is FabricState.NOT_SUPPORTED:
+        return None
+    if fabric_state is FabricState.COMPLETED and not any(cluster_uuid[:16]):
+        # Registered, but in no cluster: NVLink within the node only, no multi-node NVLink. NVIDIA's
+        # plugin treats a zero cluster UUID so too.
         return None
     return FabricInfo(
         cluster_uuid=str(uuid.UUID(bytes=bytes(cluster_uuid[:16]).ljust(16, b"\0"))),
@@ -57,6 +64,13 @@ def node_clique(inventory: Inventory) -> NodeClique:
     ]
     if unfinished:
         return NodeClique(reason=f"GPUs whose fabric registration has not completed: {', '.join(unfinished)}")
+    failed = [
+        f"{gpu.uuid} ({gpu.fabric.status})"
+        for gpu in inventory.gpus
+        if gpu.fabric is not None and gpu.fabric.status != SUCCESS
+    ]
+    if failed:
+        return NodeClique(reason=f"GPUs whose fabric registration failed: {', '.join(failed)}")
     cliques = sorted({gpu.fabric.clique for gpu in inventory.gpus if gpu.fabric is not None})
     if len(cliques) != 1:
         listed = ", ".join(cliques)
