@@ -1,8 +1,7 @@
 """A node's place in a multi-node NVLink fabric, from its GPUs' fabric info.
 
 NVML reports, per GPU, the cluster UUID and clique id of the NVLink partition the GPU registered
-with (``nvmlDeviceGetGpuFabricInfo``, the call NVIDIA's compute-domain plugin makes), how far that
-registration got and, once completed, whether it succeeded. A node joins an IMEX
+with (``nvmlDeviceGetGpuFabricInfo``), and how far that registration got. A node joins an IMEX
 domain only when every one of its GPUs completed registration in one and the same clique: GPUs of
 one node in two cliques, or some without a fabric, would break the memory sharing a workload
 expects, so such a node is not offered for ComputeDomains at all (and says why).
@@ -14,8 +13,6 @@ import uuid
 from dataclasses import dataclass
 
 from dra_driver.devices.types import FabricInfo, FabricState, Inventory
-
-SUCCESS = "Success"  # the registration status of a GPU that registered (nvmlReturn_t NVML_SUCCESS)
 
 _NVML_STATES = {
     0: FabricState.NOT_SUPPORTED,
@@ -31,8 +28,8 @@ def fabric_from_nvml(cluster_uuid: bytes, clique_id: int, state: int, status: st
     if fabric_state is FabricState.NOT_SUPPORTED:
         return None
     if fabric_state is FabricState.COMPLETED and not any(cluster_uuid[:16]):
-        # Registered, but in no cluster: NVLink within the node only, no multi-node NVLink. NVIDIA's
-        # plugin treats a zero cluster UUID so too.
+        # Registered, but in no cluster: single-node NVSwitch (DGX H100), "NVLink-capable, but
+        # not MNNVL-capable" in NVIDIA's compute-domain plugin, which puts such a node in no clique.
         return None
     return FabricInfo(
         cluster_uuid=str(uuid.UUID(bytes=bytes(cluster_uuid[:16]).ljust(16, b"\0"))),
@@ -67,9 +64,9 @@ def node_clique(inventory: Inventory) -> NodeClique:
     failed = [
         f"{gpu.uuid} ({gpu.fabric.status})"
         for gpu in inventory.gpus
-        if gpu.fabric is not None and gpu.fabric.status != SUCCESS
+        if gpu.fabric is not None and gpu.fabric.status != "Success"
     ]
-    if failed:
+    if failed:  # NVML's status counts once registration completed, and then it must be a success
         return NodeClique(reason=f"GPUs whose fabric registration failed: {', '.join(failed)}")
     cliques = sorted({gpu.fabric.clique for gpu in inventory.gpus if gpu.fabric is not None})
     if len(cliques) != 1:

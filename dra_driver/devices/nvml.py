@@ -45,7 +45,7 @@ import structlog
 from dra_driver.devices.backend import DeviceError, DeviceInUseError, PlacementUnavailableError
 from dra_driver.devices.catalog import load_catalog
 from dra_driver.devices.driver_root import LIBRARY_DIRS, find_in
-from dra_driver.devices.fabric import SUCCESS, fabric_from_nvml
+from dra_driver.devices.fabric import fabric_from_nvml
 from dra_driver.devices.naming import (
     ARCHITECTURE_HOPPER,
     GPU_INSTANCE_PROFILE_COUNT,
@@ -380,21 +380,16 @@ class NvmlBackend:
     def _fabric(handle: Any) -> FabricInfo | None:
         """The GPU's NVLink fabric info; None where the GPU or the driver has none (pre-Hopper).
 
-        ``nvmlDeviceGetGpuFabricInfo``, as NVIDIA's compute-domain plugin calls it: NOT_SUPPORTED
-        (from the call or as the state) means no multi-node NVLink. Any other failure keeps this
-        GPU -- and so the node -- out of ComputeDomains, with the reason logged; the GPU itself is
-        still served.
+        ``nvmlDeviceGetGpuFabricInfo``, as NVIDIA's compute-domain plugin reads it. nvml.h declares
+        the struct's ``state`` one byte wide where pynvml reads four, so only its low byte counts.
         """
         info = pynvml.c_nvmlGpuFabricInfo_t()
         try:
             pynvml.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(info))
         except _ABSENT:
             return None
-        except pynvml.NVMLError as error:
-            log.warning("NVLink fabric info unreadable; no ComputeDomains on this node", error=str(error))
-            return None
-        status = SUCCESS if info.status == pynvml.NVML_SUCCESS else _error_text(int(info.status))
-        return fabric_from_nvml(bytes(info.clusterUuid), int(info.cliqueId), int(info.state), status)
+        status = _return_text(int(info.status))
+        return fabric_from_nvml(bytes(info.clusterUuid), int(info.cliqueId), int(info.state) & 0xFF, status)
 
     @staticmethod
     def _mig_mode(handle: Any) -> int | None:
@@ -780,6 +775,15 @@ class NvmlBackend:
                 return  # a GPU instance with its compute instance still there cannot be destroyed
 
 
+def _return_text(code: int) -> str:
+    """An ``nvmlReturn_t`` as NVML words it ("Success"), as in a status field NVML fills in."""
+    try:
+        text = pynvml.nvmlErrorString(code)
+    except pynvml.NVMLError:
+        return str(code)
+    return text.decode() if isinstance(text, bytes) else str(text)
+
+
 NVML_SONAME = "libnvidia-ml.so.1"
 
 
@@ -816,12 +820,3 @@ def addressing_mode(handle: Any) -> str | None:
     except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
         return None
     return _ADDRESSING_MODES.get(mode)
-
-
-def _error_text(code: int) -> str:
-    """NVML's text for a return code (``nvmlErrorString``), e.g. a failed fabric registration's."""
-    try:
-        text = pynvml.nvmlErrorString(code)
-    except pynvml.NVMLError:
-        return f"NVML error {code}"
-    return text.decode() if isinstance(text, bytes) else str(text)

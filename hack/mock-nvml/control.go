@@ -24,6 +24,9 @@ package main
 //	fail FUNCTION CODE [count=N] [gpu=N]   calls fail with nvmlReturn_t CODE
 //	hang FUNCTION MS [count=N] [gpu=N]     calls block MS milliseconds first
 //	clear-faults
+//	fabric GPU|all [cluster=UUID] [clique=N] [state=unsupported|not-started|in-progress|completed] [status=CODE]
+//	                                   the GPU's NVLink fabric registration (fabric.go)
+//	addressing GPU|all none|hmm|ats|unsupported   its memory addressing mode
 //	renumber on|off                    MIG-mode switches reset the GPU: its minor number changes and
 //	                                   its event registrations are lost
 //
@@ -303,6 +306,8 @@ func (s *State) run(args []string) (string, error) {
 		}
 		s.Faults = append(s.Faults, f)
 		return "", nil
+	case "fabric", "addressing":
+		return s.runFabric(args)
 	case "clear-faults":
 		s.Faults = nil
 		return "", nil

@@ -29,7 +29,7 @@ import (
 )
 
 const (
-	envMachine  = "MOCK_NVML_MACHINE"   // dgxh100 (default), dgxh200, dgxa100, dgxb200; ":N" keeps N GPUs
+	envMachine  = "MOCK_NVML_MACHINE"   // dgxh100 (default), dgxh200, dgxa100, dgxb200, gb200nvl72; ":N" keeps N GPUs
 	envStateDir = "MOCK_NVML_STATE_DIR" // where the state file lives; unset: private to the process
 	envProcRoot = "MOCK_NVML_PROC_ROOT" // where the kernel driver's /proc files go (nvidia-caps minors)
 	stateFile   = "state.json"
@@ -80,6 +80,8 @@ type Gpu struct {
 	Lost       bool          `json:"lost,omitempty"` // fallen off the bus: every call is GPU_IS_LOST
 	Instances  []GpuInstance `json:"gpuInstances"`
 	Events     []Event       `json:"events,omitempty"`
+	Fabric     *Fabric       `json:"fabric,omitempty"`     // nil: fabric info NOT_SUPPORTED (fabric.go)
+	Addressing string        `json:"addressing,omitempty"` // none, hmm, ats; else NOT_SUPPORTED
 }
 
 // Fault makes calls of one NVML function fail with Code, or hang for HangMS first.
@@ -174,6 +176,9 @@ func newState(spec, procRoot string) (*State, error) {
 			BusID:     fmt.Sprintf("00000000:%02X:00.0", 0x18+0x10*i),
 			Instances: []GpuInstance{},
 		})
+	}
+	if err := s.initFabric(); err != nil {
+		return nil, err
 	}
 	return s, nil
 }
