@@ -5,6 +5,10 @@ Job controllers), the CRD and DeviceClasses as the chart renders them, the contr
 (`dra-driver compute-domain-controller`), each node's kubelet DRA code (the harness) and driver
 process with its two drivers, and every claim, allocation, prepare and CDI spec along the way.
 
+Two of the four trays run the NVML backend on the mock libnvidia-ml.so.1 (a GB200 NVL72 tray whose
+GPUs report fabric info), the other two the simulator: the domain of the main test lands on the
+NVML trays.
+
 Played: there is no container runtime, so no container of an IMEX daemon pod starts by itself.
 :class:`DaemonPodRunner` is the runtime for exactly those pods: once the harness has prepared a daemon
 pod's claim and reports it Running, the runner starts `dra-driver compute-domain-daemon` (the
@@ -37,6 +41,35 @@ CD_DRIVER = "compute-domain.nvidia.com"
 GROUP = "resource.nvidia.com"
 LABEL = f"{GROUP}/computeDomain"
 CDI_ANNOTATION = "dra-harness.dra-driver.dev/cdi-devices"
+
+
+IMEX_CHANNEL_MAJOR = 508  # what the kernel gave nvidia-caps-imex-channels on the mock trays
+
+
+def nvml_tray_wrapper(base: Path, cluster_uuid: str, clique: int) -> list[str]:
+    """How a GB200 tray on the mock NVML starts its driver: in clique ``clique`` of the mock's fabric,
+    seeing a ``/proc/devices`` with the NVIDIA driver's IMEX channel device, as a host with the
+    driver loaded shows it. This machine's kernel has none; the driver reads the file as on a host
+    (NVIDIA's plugin reads it too), so a private mount namespace of the driver's process alone gets
+    one bind-mounted over it. The namespace ends with the process.
+    """
+    devices = base / "proc-devices"
+    devices.parent.mkdir(parents=True, exist_ok=True)
+    devices.write_text(
+        "Character devices:\n  1 mem\n195 nvidia\n"
+        f"{IMEX_CHANNEL_MAJOR} nvidia-caps-imex-channels\n509 nvidia-caps\n510 nvidia-uvm\n\n"
+        "Block devices:\n  8 sd\n"
+    )
+    unshare = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--map-root-user", "--mount"]
+    return [
+        "env",
+        f"MOCK_NVML_FABRIC={cluster_uuid}/{clique}",
+        *unshare,
+        "sh",
+        "-c",
+        'mount --bind "$0" /proc/devices && exec "$@"',
+        str(devices),
+    ]
 
 
 def domains_path(namespace: str, name: str = "") -> str:

@@ -3,6 +3,7 @@ for what is real here and what plays the container runtime of the IMEX daemon po
 
 from __future__ import annotations
 
+import json
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -24,11 +25,13 @@ from e2e.compute_domains import (
     CD_DRIVER,
     CDI_ANNOTATION,
     DRIVER,
+    IMEX_CHANNEL_MAJOR,
     LABEL,
     ControllerProcess,
     DaemonPodRunner,
     ExtraControllers,
     domains_path,
+    nvml_tray_wrapper,
     wait,
 )
 from e2e.gpu_node import GpuNode
@@ -36,6 +39,8 @@ from e2e.gpu_node import GpuNode
 EXAMPLES = manifests.EXAMPLES / "compute-domain"
 CLUSTER_UUID = "6f1c2b7e-3d4a-4e5f-8a9b-0c1d2e3f4a5b"
 CLIQUES = {"cd-tray-a1": 1, "cd-tray-a2": 1, "cd-tray-b1": 2, "cd-tray-b2": 2}
+NVML_TRAYS = {"cd-tray-a1", "cd-tray-a2"}  # on the mock NVML; the others on the simulator
+NO_FABRIC_NODE = "cd-h100"
 READY_TIMEOUT = 15.0  # the controller's daemon readiness timeout in this module
 
 
@@ -150,17 +155,41 @@ def rack(
 
         nodes: dict[str, GpuNode] = {}
         for name, clique in CLIQUES.items():
-            node = GpuNode(
-                cluster,
-                kubelet_harness_binary,
-                base / name.removeprefix("cd-tray-"),
-                name,
-                profile="gb200-tray",
-                driver_args=[f"--driver-name={DRIVER}", f"--simulate-fabric={CLUSTER_UUID}/{clique}"],
-            )
+            node_dir = base / name.removeprefix("cd-tray-")
+            if name in NVML_TRAYS:  # NVML's fabric info, from the mock's GB200 NVL72 tray
+                node = GpuNode(
+                    cluster,
+                    kubelet_harness_binary,
+                    node_dir,
+                    name,
+                    mock_nvml="gb200nvl72",
+                    driver_args=[f"--driver-name={DRIVER}"],
+                    driver_wrapper=nvml_tray_wrapper(node_dir, CLUSTER_UUID, clique),
+                )
+            else:
+                node = GpuNode(
+                    cluster,
+                    kubelet_harness_binary,
+                    node_dir,
+                    name,
+                    profile="gb200-tray",
+                    driver_args=[f"--driver-name={DRIVER}", f"--simulate-fabric={CLUSTER_UUID}/{clique}"],
+                )
             stops.append(node.remove)
             node.start()
             nodes[name] = node
+        # A DGX H100 on the mock NVML: NVLink inside the node only (a zero cluster UUID), no clique.
+        plain = GpuNode(
+            cluster,
+            kubelet_harness_binary,
+            base / "h100",
+            NO_FABRIC_NODE,
+            mock_nvml="dgxh100",
+            driver_args=[f"--driver-name={DRIVER}"],
+        )
+        stops.append(plain.remove)
+        plain.start()
+        nodes[NO_FABRIC_NODE] = plain
         pod_ips = {name: f"127.0.{77 + i}.1" for i, name in enumerate(CLIQUES)}
         (port,) = free_ports(1)
         runner = DaemonPodRunner(rest, daemon_kubeconfig, driver_namespace, nodes, pod_ips, port, base)
@@ -237,6 +266,9 @@ def test_a_two_node_domain_runs_its_job_on_one_clique_and_cleans_up(rack: Rack, 
     hosts = sorted(p["spec"]["nodeName"] for p in workers)
     assert len(set(hosts)) == 2
     assert len({rack.clique_of(h) for h in hosts}) == 1
+    # Both cliques have two free nodes; the first (by name) wins: the trays on the mock NVML, whose
+    # clique came from nvmlDeviceGetGpuFabricInfo.
+    assert set(hosts) == NVML_TRAYS
     assert rack.clique_of(hosts[0]) in selector
     allocations = set()
     for pod in workers:
@@ -252,7 +284,16 @@ def test_a_two_node_domain_runs_its_job_on_one_clique_and_cleans_up(rack: Rack, 
             rack.nodes[pod["spec"]["nodeName"]].driver.paths.cdi
             / f"k8s.{CD_DRIVER}-claim_{claim['metadata']['uid']}.json"
         )
-        assert "/dev/nvidia-caps-imex-channels/channel0" in spec.read_text()
+        (device,) = json.loads(spec.read_text())["devices"]
+        # channel 0 with the major number the node's /proc/devices gives the IMEX channels
+        assert device["containerEdits"]["deviceNodes"] == [
+            {
+                "path": "/dev/nvidia-caps-imex-channels/channel0",
+                "type": "c",
+                "major": IMEX_CHANNEL_MAJOR,
+                "minor": 0,
+            }
+        ]
     assert allocations == {(h, "channel-0") for h in hosts}  # distinct channels, one per node
 
     # The daemons on both nodes see each other: the domain is Ready, with both nodes in its status.
@@ -343,6 +384,24 @@ def test_a_two_node_domain_runs_its_job_on_one_clique_and_cleans_up(rack: Rack, 
             timeout=60,
             what=f"{node.name} to unprepare every ComputeDomain claim",
         )
+
+
+def test_a_node_without_fabric_info_serves_its_gpus_but_no_compute_domains(rack: Rack) -> None:
+    node = rack.nodes[NO_FABRIC_NODE]
+    slices = rack.rest.request(
+        "GET",
+        "/apis/resource.k8s.io/v1/resourceslices",
+        query={"fieldSelector": f"spec.nodeName={node.name}"},
+    )["items"]
+    assert {s["spec"]["driver"] for s in slices} == {DRIVER}  # its GPUs, and nothing of CD_DRIVER
+    log = node.driver.daemon.log_since(0)
+    assert "no ComputeDomains on this node" in log
+    assert "GPUs without NVLink fabric info: GPU-" in log
+    # Every clique the controller knows of is a tray's; the H100 is in none.
+    cd_slices = rack.rest.request(
+        "GET", "/apis/resource.k8s.io/v1/resourceslices", query={"fieldSelector": f"spec.driver={CD_DRIVER}"}
+    )["items"]
+    assert sorted(s["spec"]["nodeName"] for s in cd_slices) == sorted(CLIQUES)
 
 
 def test_a_domain_larger_than_every_clique_says_so_and_creates_nothing(rack: Rack, namespace: str) -> None:
