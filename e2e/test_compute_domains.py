@@ -428,6 +428,8 @@ def test_a_domain_larger_than_every_clique_says_so_and_creates_nothing(rack: Rac
     templates = rest.request("GET", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates")
     assert not templates["items"]
     assert not rest.request("GET", f"/apis/apps/v1/namespaces/{rack.driver_namespace}/daemonsets")["items"]
+    assert not _cliques(rack)
+    assert _labelled_nodes(rest) == {}
     # The spec cannot be fixed in place (as with NVIDIA's CRD): a new domain is the way.
     with pytest.raises(ApiError) as refused:
         rest.request(
@@ -481,6 +483,13 @@ def test_a_channel_outside_a_domain_is_refused_with_what_to_do(
     (event, *_) = wait(refusal, timeout=60, what="the kubelet's prepare failure event")
     assert "outside a ComputeDomain" in event["message"]
     assert "spec.channel.resourceClaimTemplate.name" in event["message"]
+    # Refused before anything was done: no node serves a domain, no channel spec was written.
+    assert _labelled_nodes(rest) == {}
+    claim_uid = rest.get(f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/loose-channel")[
+        "metadata"
+    ]["uid"]
+    for node in rack.nodes.values():
+        assert not list(node.driver.paths.cdi.glob(f"k8s.{CD_DRIVER}-claim_{claim_uid}.json"))
     client.CoreV1Api(api).delete_namespaced_pod("loose", namespace, grace_period_seconds=0)
 
 
@@ -530,6 +539,10 @@ def test_a_daemon_that_never_becomes_ready_shows_in_the_status(
     wait(lambda: not rest.request("GET", domains_path(namespace))["items"], timeout=90, what="deletion")
     wait(lambda: not _labelled_nodes(rest), timeout=60, what="the node label to go")
     wait(lambda: not rack.runner.running_on(), timeout=60, what="the daemon to stop")
+    assert not rest.request("GET", f"/apis/apps/v1/namespaces/{rack.driver_namespace}/daemonsets")["items"]
+    wait(lambda: not _cliques(rack), timeout=30, what="the domain's clique to go")
+    templates = rest.request("GET", "/apis/resource.k8s.io/v1/resourceclaimtemplates")["items"]
+    assert not [t for t in templates if LABEL in (t["metadata"].get("labels") or {})]
 
 
 def test_of_two_controllers_one_leads_and_a_killed_leader_hands_over(rack: Rack, namespace: str) -> None:
