@@ -485,3 +485,19 @@ def test_name_overrides_rename_every_object_and_keep_the_selector_consistent(hel
     labels = daemonset["spec"]["template"]["metadata"]["labels"]
     assert labels["app.kubernetes.io/name"] == "nvidia-dra"
     assert daemonset["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_the_compute_domain_drivers_socket_directory_is_the_hosts(helm: Path) -> None:
+    """The second driver serves the kubelet from <pluginsDir>/compute-domain.<domain>: a host path."""
+    for values, directory in (
+        ({"driverName": "gpu.nvidia.com"}, "/var/lib/kubelet/plugins/compute-domain.nvidia.com"),
+        ({}, "/var/lib/kubelet/plugins/compute-domain.dra-driver.dev"),
+    ):
+        spec = pod_spec(render(helm, values))
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["compute-domain-plugin-dir"]["hostPath"]["path"] == directory
+        (container,) = spec["containers"]
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts["compute-domain-plugin-dir"] == directory
+    spec = pod_spec(render(helm, {"computeDomains": False}))
+    assert "compute-domain-plugin-dir" not in {v["name"] for v in spec["volumes"]}
