@@ -76,3 +76,14 @@ def test_the_daemon_with_an_unreadable_kubeconfig_says_so(
     assert f"cannot read kubeconfig {tmp_path / 'missing'} (--kubeconfig / DRA_KUBECONFIG)" in _one_line(
         capsys
     )
+
+
+def test_a_lease_too_short_to_renew_is_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("DRA_LEASE_DURATION_SECONDS", "0")
+    assert main(["compute-domain-controller", "--namespace=ns", "--daemon-image=img"]) == 2
+    assert (
+        "--lease-duration-seconds / DRA_LEASE_DURATION_SECONDS: leader election needs 0 < retry period"
+        in _one_line(capsys)
+    )
