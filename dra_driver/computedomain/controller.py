@@ -12,13 +12,18 @@ Reconciling a domain (see :mod:`dra_driver.computedomain.objects` for the object
    say in the status why none fits (no fabric, domain larger than every clique);
 3. create the daemon's ResourceClaimTemplate and DaemonSet and the workload channel's
    ResourceClaimTemplate, re-creating any that was removed;
-4. drop status entries of nodes the domain's workloads left, and judge readiness: Ready once
+4. copy the daemons' entries of the domain's ComputeDomainCliques into ``status.nodes``, after
+   dropping the entries of nodes the domain's workloads left, and judge readiness: Ready once
    ``numNodes`` daemons on the clique report Ready; a daemon that stays not ready past the timeout
    gets a condition and an event.
 
 Deleting a domain deletes its channel template at once (no new workloads), waits until no node
 serves the domain any more (each node drops the label when the kubelet unprepares the workload's
-channel), then deletes the DaemonSet and the daemon template and releases the finalizer.
+channel), then deletes the DaemonSet, the daemon template and the cliques and releases the
+finalizer.
+
+Only one replica reconciles at a time: the command runs the controller under a Lease
+(:mod:`dra_driver.computedomain.leader`).
 """
 
 from __future__ import annotations
