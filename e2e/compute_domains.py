@@ -5,6 +5,10 @@ Job controllers), the CRD and DeviceClasses as the chart renders them, the contr
 (`dra-driver compute-domain-controller`), each node's kubelet DRA code (the harness) and driver
 process with its two drivers, and every claim, allocation, prepare and CDI spec along the way.
 
+Two of the four trays run the NVML backend on the mock libnvidia-ml.so.1 (a GB200 NVL72 tray whose
+GPUs report fabric info), the other two the simulator: the domain of the main test lands on the
+NVML trays.
+
 Played: there is no container runtime, so no container of an IMEX daemon pod starts by itself.
 :class:`DaemonPodRunner` is the runtime for exactly those pods: once the harness has prepared a daemon
 pod's claim and reports it Running, the runner starts `dra-driver compute-domain-daemon` (the
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -36,6 +41,35 @@ CD_DRIVER = "compute-domain.nvidia.com"
 GROUP = "resource.nvidia.com"
 LABEL = f"{GROUP}/computeDomain"
 CDI_ANNOTATION = "dra-harness.dra-driver.dev/cdi-devices"
+
+
+IMEX_CHANNEL_MAJOR = 508  # what the kernel gave nvidia-caps-imex-channels on the mock trays
+
+
+def nvml_tray_wrapper(base: Path, cluster_uuid: str, clique: int) -> list[str]:
+    """How a GB200 tray on the mock NVML starts its driver: in clique ``clique`` of the mock's fabric,
+    seeing a ``/proc/devices`` with the NVIDIA driver's IMEX channel device, as a host with the
+    driver loaded shows it. This machine's kernel has none; the driver reads the file as on a host
+    (NVIDIA's plugin reads it too), so a private mount namespace of the driver's process alone gets
+    one bind-mounted over it. The namespace ends with the process.
+    """
+    devices = base / "proc-devices"
+    devices.parent.mkdir(parents=True, exist_ok=True)
+    devices.write_text(
+        "Character devices:\n  1 mem\n195 nvidia\n"
+        f"{IMEX_CHANNEL_MAJOR} nvidia-caps-imex-channels\n509 nvidia-caps\n510 nvidia-uvm\n\n"
+        "Block devices:\n  8 sd\n"
+    )
+    unshare = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--map-root-user", "--mount"]
+    return [
+        "env",
+        f"MOCK_NVML_FABRIC={cluster_uuid}/{clique}",
+        *unshare,
+        "sh",
+        "-c",
+        'mount --bind "$0" /proc/devices && exec "$@"',
+        str(devices),
+    ]
 
 
 def domains_path(namespace: str, name: str = "") -> str:
@@ -71,8 +105,14 @@ class ExtraControllers:
 
 
 class ControllerProcess:
-    def __init__(self, kubeconfig: Path, namespace: str, log: Path, ready_timeout: float) -> None:
+    """One replica of `dra-driver compute-domain-controller`; replicas elect a leader on a Lease."""
+
+    LEASE = "cd-dra-driver-gpu-compute-domain-controller"  # the chart's, for release "cd"
+    LEASE_SECONDS = 3.0  # short, so that a hand-over fits in a test
+
+    def __init__(self, kubeconfig: Path, namespace: str, log: Path, ready_timeout: float, name: str) -> None:
         self.namespace = namespace
+        self.name = name
         self._argv = [
             sys.executable,
             "-m",
@@ -84,16 +124,36 @@ class ControllerProcess:
             f"--kubeconfig={kubeconfig}",
             f"--daemon-ready-timeout-seconds={ready_timeout}",
             "--resync-seconds=30",
+            f"--lease-name={self.LEASE}",
+            f"--lease-duration-seconds={self.LEASE_SECONDS}",
             "--log-format=console",
         ]
-        self.daemon = Daemon("compute-domain-controller", log)
+        self.daemon = Daemon(f"compute-domain-controller[{name}]", log)
+        self._offset = 0
 
     def start(self) -> None:
+        """Starts the replica; returns once it takes part in the election (it may stand by)."""
+        self._offset = self.daemon.log_size()
         self.daemon.start(
-            self._argv,
-            lambda offset: "controller running" in self.daemon.log_since(offset),
+            [*self._argv],
+            lambda offset: "waiting for the leader lease" in self.daemon.log_since(offset),
             timeout_seconds=60,
         )
+
+    def log(self) -> str:
+        """What this run of the replica logged."""
+        return self.daemon.log_since(self._offset)
+
+    @property
+    def leading(self) -> bool:
+        return self.daemon.running and "controller running" in self.log()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crashed or cut-off node would: the Lease is not released."""
+        pid = self.daemon.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        self.daemon.stop()  # reaps it
 
     def stop(self) -> None:
         self.daemon.stop()
@@ -204,6 +264,7 @@ class DaemonPodRunner:
             NODE_NAME=node,
             POD_IP=self.pod_ips[node],
             POD_NAME=pod["metadata"]["name"],
+            POD_UID=pod["metadata"]["uid"],
             POD_NAMESPACE=self.namespace,
             DRA_DRIVER_NAME=DRIVER,
             DRA_KUBECONFIG=str(self.kubeconfig),

@@ -29,6 +29,7 @@ from tests.mock_nvml import MockNvml, install_driver_root, install_procfs, mock_
 
 DRIVER_NAME = DEFAULT_DRIVER_NAME
 MOCK_NVML_DRIVER_VERSION = "550.54.15"  # what NVIDIA's go-nvml DGX mocks report
+MOCK_NVML_BLACKWELL_DRIVER_VERSION = "560.28.03"  # what its B200 mock (the GB200 tray) reports
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,12 @@ class DriverPaths:
         # version: it mounts them into every GPU container. Empty files are enough to be mounted.
         libraries = self.driver_root / "usr" / "lib64"
         libraries.mkdir(parents=True, exist_ok=True)
+        versions = (
+            (MOCK_NVML_DRIVER_VERSION, MOCK_NVML_BLACKWELL_DRIVER_VERSION) if nvml else (DRIVER_VERSION,)
+        )
         for library in REQUIRED_LIBRARIES:
-            (libraries / f"{library}.so.{MOCK_NVML_DRIVER_VERSION if nvml else DRIVER_VERSION}").touch()
+            for version in versions:
+                (libraries / f"{library}.so.{version}").touch()
         if nvml:
             install_driver_root(self.driver_root)
             install_procfs(self.procfs)
@@ -102,9 +107,11 @@ class DriverProcess:
         extra_args: Sequence[str] = (),
         mock_nvml: str | None = None,
         driver_name: str = DRIVER_NAME,
+        wrapper: Sequence[str] = (),
     ) -> None:
         """``mock_nvml``: a machine of the mock libnvidia-ml.so.1 (e.g. ``dgxh100``) to run the NVML
-        backend on, instead of the simulator's ``profile``."""
+        backend on, instead of the simulator's ``profile``. ``wrapper``: a command line the daemon's
+        own is appended to (e.g. ``env VAR=value``)."""
         self.node_name = node_name
         self.driver_name = driver_name
         self.paths = paths
@@ -112,6 +119,7 @@ class DriverProcess:
         self.mock_nvml = mock_nvml
         self._kubeconfig = kubeconfig
         self._extra_args = tuple(extra_args)
+        self._wrapper = tuple(wrapper)
         self._daemon = Daemon(f"dra-driver[{node_name}]", log)
         self._port: int | None = None
         self.specs = SpecStore(paths.cdi, driver_name)
@@ -208,6 +216,7 @@ class DriverProcess:
             launcher.append(sys.executable)
             backend = [f"--procfs-root={paths.procfs}"]  # where the mock keeps the MIG capability files
         return [
+            *self._wrapper,
             *launcher,
             "-m",
             "dra_driver",

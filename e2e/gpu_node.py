@@ -51,6 +51,7 @@ class GpuNode:
         driver_args: Sequence[str] = (),
         mock_nvml: str | None = None,
         driver_name: str = DRIVER_NAME,
+        driver_wrapper: Sequence[str] = (),
     ) -> None:
         self.name = name
         self.driver_name = driver_name
@@ -74,6 +75,7 @@ class GpuNode:
             extra_args=driver_args,
             mock_nvml=mock_nvml,
             driver_name=driver_name,
+            wrapper=driver_wrapper,
         )
 
     @property

@@ -3,6 +3,7 @@ for what is real here and what plays the container runtime of the IMEX daemon po
 
 from __future__ import annotations
 
+import json
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -24,11 +25,13 @@ from e2e.compute_domains import (
     CD_DRIVER,
     CDI_ANNOTATION,
     DRIVER,
+    IMEX_CHANNEL_MAJOR,
     LABEL,
     ControllerProcess,
     DaemonPodRunner,
     ExtraControllers,
     domains_path,
+    nvml_tray_wrapper,
     wait,
 )
 from e2e.gpu_node import GpuNode
@@ -36,6 +39,8 @@ from e2e.gpu_node import GpuNode
 EXAMPLES = manifests.EXAMPLES / "compute-domain"
 CLUSTER_UUID = "6f1c2b7e-3d4a-4e5f-8a9b-0c1d2e3f4a5b"
 CLIQUES = {"cd-tray-a1": 1, "cd-tray-a2": 1, "cd-tray-b1": 2, "cd-tray-b2": 2}
+NVML_TRAYS = {"cd-tray-a1", "cd-tray-a2"}  # on the mock NVML; the others on the simulator
+NO_FABRIC_NODE = "cd-h100"
 READY_TIMEOUT = 15.0  # the controller's daemon readiness timeout in this module
 
 
@@ -45,6 +50,7 @@ class Rack:
     nodes: dict[str, GpuNode]
     runner: DaemonPodRunner
     driver_namespace: str
+    controllers: list[ControllerProcess]
 
     def clique_of(self, node: str) -> str:
         return f"{CLUSTER_UUID}.{CLIQUES[node]}"
@@ -112,14 +118,15 @@ def rack(
         for collection, obj in _chart_compute_domain_objects(driver_namespace):
             rest.create(collection, obj)
             created.append(f"{collection}/{obj['metadata']['name']}")
-        rest.wait_for(
-            "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
-            "computedomains.resource.nvidia.com",
-            lambda crd: any(
-                c["type"] == "Established" and c["status"] == "True"
-                for c in crd.get("status", {}).get("conditions", [])
-            ),
-        )
+        for crd_name in ("computedomains.resource.nvidia.com", "computedomaincliques.resource.nvidia.com"):
+            rest.wait_for(
+                "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
+                crd_name,
+                lambda crd: any(
+                    c["type"] == "Established" and c["status"] == "True"
+                    for c in crd.get("status", {}).get("conditions", [])
+                ),
+            )
 
         extra = ExtraControllers(control_plane_binaries, cluster, base / "kube-controller-manager.log")
         extra.start()
@@ -134,31 +141,61 @@ def rack(
         daemon_kubeconfig = _kubeconfig_of(
             cluster, driver_namespace, "compute-domain-daemon", base / "daemon.kubeconfig"
         )
-        controller = ControllerProcess(
-            controller_kubeconfig, driver_namespace, base / "controller.log", READY_TIMEOUT
-        )
-        controller.start()
-        stops.append(controller.stop)
+        # Two replicas, as with `computeDomainController.replicas: 2`: one leads, one stands by.
+        controllers = [
+            ControllerProcess(
+                controller_kubeconfig, driver_namespace, base / f"controller-{n}.log", READY_TIMEOUT, n
+            )
+            for n in ("a", "b")
+        ]
+        for controller in controllers:
+            controller.start()
+            stops.append(controller.stop)
+        wait(lambda: any(c.leading for c in controllers), timeout=60, what="a controller to lead")
 
         nodes: dict[str, GpuNode] = {}
         for name, clique in CLIQUES.items():
-            node = GpuNode(
-                cluster,
-                kubelet_harness_binary,
-                base / name.removeprefix("cd-tray-"),
-                name,
-                profile="gb200-tray",
-                driver_args=[f"--driver-name={DRIVER}", f"--simulate-fabric={CLUSTER_UUID}/{clique}"],
-            )
+            node_dir = base / name.removeprefix("cd-tray-")
+            if name in NVML_TRAYS:  # NVML's fabric info, from the mock's GB200 NVL72 tray
+                node = GpuNode(
+                    cluster,
+                    kubelet_harness_binary,
+                    node_dir,
+                    name,
+                    mock_nvml="gb200nvl72",
+                    driver_args=[f"--driver-name={DRIVER}"],
+                    driver_wrapper=nvml_tray_wrapper(node_dir, CLUSTER_UUID, clique),
+                )
+            else:
+                node = GpuNode(
+                    cluster,
+                    kubelet_harness_binary,
+                    node_dir,
+                    name,
+                    profile="gb200-tray",
+                    driver_args=[f"--driver-name={DRIVER}", f"--simulate-fabric={CLUSTER_UUID}/{clique}"],
+                )
             stops.append(node.remove)
             node.start()
             nodes[name] = node
+        # A DGX H100 on the mock NVML: NVLink inside the node only (a zero cluster UUID), no clique.
+        plain = GpuNode(
+            cluster,
+            kubelet_harness_binary,
+            base / "h100",
+            NO_FABRIC_NODE,
+            mock_nvml="dgxh100",
+            driver_args=[f"--driver-name={DRIVER}"],
+        )
+        stops.append(plain.remove)
+        plain.start()
+        nodes[NO_FABRIC_NODE] = plain
         pod_ips = {name: f"127.0.{77 + i}.1" for i, name in enumerate(CLIQUES)}
         (port,) = free_ports(1)
         runner = DaemonPodRunner(rest, daemon_kubeconfig, driver_namespace, nodes, pod_ips, port, base)
         runner.start()
         stops.append(runner.stop)
-        yield Rack(rest, nodes, runner, driver_namespace)
+        yield Rack(rest, nodes, runner, driver_namespace, controllers)
     finally:
         for stop in reversed(stops):
             stop()
@@ -188,6 +225,12 @@ def _events(rest: RestClient, namespace: str, name: str) -> list[dict[str, Any]]
         for e in items
         if e["involvedObject"].get("kind") == "ComputeDomain" and e["involvedObject"]["name"] == name
     ]
+
+
+def _cliques(rack: Rack) -> list[dict[str, Any]]:
+    path = f"/apis/resource.nvidia.com/v1beta1/namespaces/{rack.driver_namespace}/computedomaincliques"
+    items: list[dict[str, Any]] = rack.rest.request("GET", path)["items"]
+    return items
 
 
 def _labelled_nodes(rest: RestClient) -> dict[str, str]:
@@ -223,6 +266,9 @@ def test_a_two_node_domain_runs_its_job_on_one_clique_and_cleans_up(rack: Rack, 
     hosts = sorted(p["spec"]["nodeName"] for p in workers)
     assert len(set(hosts)) == 2
     assert len({rack.clique_of(h) for h in hosts}) == 1
+    # Both cliques have two free nodes; the first (by name) wins: the trays on the mock NVML, whose
+    # clique came from nvmlDeviceGetGpuFabricInfo.
+    assert set(hosts) == NVML_TRAYS
     assert rack.clique_of(hosts[0]) in selector
     allocations = set()
     for pod in workers:
@@ -238,7 +284,16 @@ def test_a_two_node_domain_runs_its_job_on_one_clique_and_cleans_up(rack: Rack, 
             rack.nodes[pod["spec"]["nodeName"]].driver.paths.cdi
             / f"k8s.{CD_DRIVER}-claim_{claim['metadata']['uid']}.json"
         )
-        assert "/dev/nvidia-caps-imex-channels/channel0" in spec.read_text()
+        (device,) = json.loads(spec.read_text())["devices"]
+        # channel 0 with the major number the node's /proc/devices gives the IMEX channels
+        assert device["containerEdits"]["deviceNodes"] == [
+            {
+                "path": "/dev/nvidia-caps-imex-channels/channel0",
+                "type": "c",
+                "major": IMEX_CHANNEL_MAJOR,
+                "minor": 0,
+            }
+        ]
     assert allocations == {(h, "channel-0") for h in hosts}  # distinct channels, one per node
 
     # The daemons on both nodes see each other: the domain is Ready, with both nodes in its status.
@@ -252,6 +307,15 @@ def test_a_two_node_domain_runs_its_job_on_one_clique_and_cleans_up(rack: Rack, 
     ]
     assert rack.runner.running_on() == set(hosts)
     assert _labelled_nodes(rest) == dict.fromkeys(hosts, ready["metadata"]["uid"])
+    # The daemons met in their ComputeDomainClique (NVIDIA's): one object for the domain's clique,
+    # <domainUID>.<cliqueID> in the driver's namespace, owned by the daemon pods.
+    (clique,) = _cliques(rack)
+    uid = ready["metadata"]["uid"]
+    assert clique["metadata"]["name"] == f"{uid}.{rack.clique_of(hosts[0])}"
+    assert clique["metadata"]["labels"]["resource.nvidia.com/computeDomain"] == uid
+    assert sorted((d["nodeName"], d["status"]) for d in clique["daemons"]) == [(h, "Ready") for h in hosts]
+    daemon_pods = {p["metadata"]["uid"] for p in _pods(rest, rack.driver_namespace, LABEL)}
+    assert {o["uid"] for o in clique["metadata"]["ownerReferences"]} == daemon_pods
 
     # A third worker finds no node: the clique's two channels are taken and the other clique is not
     # the domain's. It waits, unscheduled.
@@ -312,6 +376,7 @@ def test_a_two_node_domain_runs_its_job_on_one_clique_and_cleans_up(rack: Rack, 
     templates = rest.request("GET", "/apis/resource.k8s.io/v1/resourceclaimtemplates")["items"]
     assert not [t for t in templates if LABEL in (t["metadata"].get("labels") or {})]
     assert _labelled_nodes(rest) == {}
+    assert not _cliques(rack)
     wait(lambda: not rack.runner.running_on(), timeout=60, what="the IMEX daemons to stop")
     for node in rack.nodes.values():
         wait(
@@ -319,6 +384,24 @@ def test_a_two_node_domain_runs_its_job_on_one_clique_and_cleans_up(rack: Rack, 
             timeout=60,
             what=f"{node.name} to unprepare every ComputeDomain claim",
         )
+
+
+def test_a_node_without_fabric_info_serves_its_gpus_but_no_compute_domains(rack: Rack) -> None:
+    node = rack.nodes[NO_FABRIC_NODE]
+    slices = rack.rest.request(
+        "GET",
+        "/apis/resource.k8s.io/v1/resourceslices",
+        query={"fieldSelector": f"spec.nodeName={node.name}"},
+    )["items"]
+    assert {s["spec"]["driver"] for s in slices} == {DRIVER}  # its GPUs, and nothing of CD_DRIVER
+    log = node.driver.daemon.log_since(0)
+    assert "no ComputeDomains on this node" in log
+    assert "GPUs without NVLink fabric info: GPU-" in log
+    # Every clique the controller knows of is a tray's; the H100 is in none.
+    cd_slices = rack.rest.request(
+        "GET", "/apis/resource.k8s.io/v1/resourceslices", query={"fieldSelector": f"spec.driver={CD_DRIVER}"}
+    )["items"]
+    assert sorted(s["spec"]["nodeName"] for s in cd_slices) == sorted(CLIQUES)
 
 
 def test_a_domain_larger_than_every_clique_says_so_and_creates_nothing(rack: Rack, namespace: str) -> None:
@@ -345,6 +428,8 @@ def test_a_domain_larger_than_every_clique_says_so_and_creates_nothing(rack: Rac
     templates = rest.request("GET", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates")
     assert not templates["items"]
     assert not rest.request("GET", f"/apis/apps/v1/namespaces/{rack.driver_namespace}/daemonsets")["items"]
+    assert not _cliques(rack)
+    assert _labelled_nodes(rest) == {}
     # The spec cannot be fixed in place (as with NVIDIA's CRD): a new domain is the way.
     with pytest.raises(ApiError) as refused:
         rest.request(
@@ -398,6 +483,13 @@ def test_a_channel_outside_a_domain_is_refused_with_what_to_do(
     (event, *_) = wait(refusal, timeout=60, what="the kubelet's prepare failure event")
     assert "outside a ComputeDomain" in event["message"]
     assert "spec.channel.resourceClaimTemplate.name" in event["message"]
+    # Refused before anything was done: no node serves a domain, no channel spec was written.
+    assert _labelled_nodes(rest) == {}
+    claim_uid = rest.get(f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/loose-channel")[
+        "metadata"
+    ]["uid"]
+    for node in rack.nodes.values():
+        assert not list(node.driver.paths.cdi.glob(f"k8s.{CD_DRIVER}-claim_{claim_uid}.json"))
     client.CoreV1Api(api).delete_namespaced_pod("loose", namespace, grace_period_seconds=0)
 
 
@@ -447,3 +539,59 @@ def test_a_daemon_that_never_becomes_ready_shows_in_the_status(
     wait(lambda: not rest.request("GET", domains_path(namespace))["items"], timeout=90, what="deletion")
     wait(lambda: not _labelled_nodes(rest), timeout=60, what="the node label to go")
     wait(lambda: not rack.runner.running_on(), timeout=60, what="the daemon to stop")
+    assert not rest.request("GET", f"/apis/apps/v1/namespaces/{rack.driver_namespace}/daemonsets")["items"]
+    wait(lambda: not _cliques(rack), timeout=30, what="the domain's clique to go")
+    templates = rest.request("GET", "/apis/resource.k8s.io/v1/resourceclaimtemplates")["items"]
+    assert not [t for t in templates if LABEL in (t["metadata"].get("labels") or {})]
+
+
+def test_of_two_controllers_one_leads_and_a_killed_leader_hands_over(rack: Rack, namespace: str) -> None:
+    """Two replicas: only the Lease holder reconciles; SIGKILLed (no release), the other takes over."""
+    rest = rack.rest
+    lease_path = (
+        f"/apis/coordination.k8s.io/v1/namespaces/{rack.driver_namespace}/leases/{ControllerProcess.LEASE}"
+    )
+    (leader,) = [c for c in rack.controllers if c.leading]
+    (standby,) = [c for c in rack.controllers if c is not leader]
+    before = rest.get(lease_path)["spec"]
+    # The earlier tests' domains were set up and judged by the leader alone.
+    assert "ComputeDomain set up" in leader.log()
+    assert "ComputeDomain" not in standby.log()
+    assert "became the leader" not in standby.log()
+
+    leader.kill()
+    wait(
+        lambda: standby.leading,
+        timeout=ControllerProcess.LEASE_SECONDS * 4 + 30,
+        what="the standby to take the Lease over",
+    )
+    after = rest.get(lease_path)["spec"]
+    assert after["holderIdentity"] != before["holderIdentity"]
+    assert after["leaseTransitions"] == before["leaseTransitions"] + 1
+
+    # The new leader acts on a new domain.
+    domain = {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "ComputeDomain",
+        "metadata": {"name": "after-handover"},
+        "spec": {"numNodes": 1, "channel": {"resourceClaimTemplate": {"name": "after-handover-channel"}}},
+    }
+    rest.create(domains_path(namespace), domain)
+    rest.wait_for(
+        f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates",
+        "after-handover-channel",
+        lambda _: True,
+    )
+    assert "ComputeDomain set up" in standby.log()
+
+    # The old leader comes back as the standby: the Lease is held, so it waits.
+    leader.start()
+    wait(
+        lambda: rest.get(lease_path)["spec"]["renewTime"] != after["renewTime"],
+        timeout=30,
+        what="the new leader to renew",
+    )
+    assert not leader.leading
+    rest.delete(domains_path(namespace, "after-handover"))
+    wait(lambda: not rest.request("GET", domains_path(namespace))["items"], timeout=60, what="deletion")
+    assert "ComputeDomain" not in leader.log()

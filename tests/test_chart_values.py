@@ -265,17 +265,22 @@ def _compute_domain_object(manifest: Manifest) -> bool:
 
 def test_compute_domains_use_nvidias_names_when_deployed_as_nvidia(helm: Path) -> None:
     manifests = render(helm, {"driverName": "gpu.nvidia.com"})
-    (crd,) = of_kind(manifests, "CustomResourceDefinition")
-    assert crd["metadata"]["name"] == "computedomains.resource.nvidia.com"
-    assert [v["name"] for v in crd["spec"]["versions"]] == ["v1beta1"]
+    crds = of_kind(manifests, "CustomResourceDefinition")
+    assert sorted(c["metadata"]["name"] for c in crds) == [
+        "computedomaincliques.resource.nvidia.com",
+        "computedomains.resource.nvidia.com",
+    ]
+    assert all([v["name"] for v in c["spec"]["versions"]] == ["v1beta1"] for c in crds)
     classes = {m["metadata"]["name"] for m in of_kind(manifests, "DeviceClass")}
     assert {"compute-domain-default-channel.nvidia.com", "compute-domain-daemon.nvidia.com"} <= classes
     (deployment,) = of_kind(manifests, "Deployment")
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert container["command"] == ["dra-driver", "compute-domain-controller"]
     ours = render(helm, {})
-    (crd,) = of_kind(ours, "CustomResourceDefinition")
-    assert crd["metadata"]["name"] == "computedomains.resource.dra-driver.dev"
+    assert sorted(c["metadata"]["name"] for c in of_kind(ours, "CustomResourceDefinition")) == [
+        "computedomaincliques.resource.dra-driver.dev",
+        "computedomains.resource.dra-driver.dev",
+    ]
 
 
 def test_compute_domains_can_be_left_out(helm: Path) -> None:
@@ -480,3 +485,19 @@ def test_name_overrides_rename_every_object_and_keep_the_selector_consistent(hel
     labels = daemonset["spec"]["template"]["metadata"]["labels"]
     assert labels["app.kubernetes.io/name"] == "nvidia-dra"
     assert daemonset["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_the_compute_domain_drivers_socket_directory_is_the_hosts(helm: Path) -> None:
+    """The second driver serves the kubelet from <pluginsDir>/compute-domain.<domain>: a host path."""
+    for values, directory in (
+        ({"driverName": "gpu.nvidia.com"}, "/var/lib/kubelet/plugins/compute-domain.nvidia.com"),
+        ({}, "/var/lib/kubelet/plugins/compute-domain.dra-driver.dev"),
+    ):
+        spec = pod_spec(render(helm, values))
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["compute-domain-plugin-dir"]["hostPath"]["path"] == directory
+        (container,) = spec["containers"]
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts["compute-domain-plugin-dir"] == directory
+    spec = pod_spec(render(helm, {"computeDomains": False}))
+    assert "compute-domain-plugin-dir" not in {v["name"] for v in spec["volumes"]}

@@ -16,6 +16,13 @@ CRD group              resource.nvidia.com                 resource.dra-driver.d
 second driver          compute-domain.nvidia.com           compute-domain.dra-driver.dev
 node label             resource.nvidia.com/computeDomain   resource.dra-driver.dev/computeDomain
 =====================  ==================================  ======================================
+
+Beside each ComputeDomain live its **ComputeDomainCliques** (NVIDIA's
+``api/nvidia.com/resource/v1beta1/computedomainclique.go``): one object per domain and NVLink
+clique, in the driver's namespace, named ``<domainUID>.<cliqueID>``, whose top-level ``daemons``
+list is written by the IMEX daemons of that clique (each its own entry: node, IP address, clique,
+index, readiness). The daemons talk to each other through it; the controller copies the entries
+into the domain's ``status.nodes``.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from pydantic.alias_generators import to_camel
 VERSION = "v1beta1"
 KIND = "ComputeDomain"
 PLURAL = "computedomains"
+CLIQUE_KIND = "ComputeDomainClique"
+CLIQUE_PLURAL = "computedomaincliques"
 CHANNEL_CONFIG_KIND = "ComputeDomainChannelConfig"
 DAEMON_CONFIG_KIND = "ComputeDomainDaemonConfig"
 CHANNEL_TYPE = "channel"
@@ -66,6 +75,11 @@ class Names:
     def label(self) -> str:
         """Node, DaemonSet and template label naming the domain (by UID) they belong to."""
         return f"{self.group}/computeDomain"
+
+    @property
+    def clique_label(self) -> str:
+        """NVIDIA's ``resource.nvidia.com/computeDomain.cliqueID`` on a ComputeDomainClique."""
+        return f"{self.label}.cliqueID"
 
     @property
     def finalizer(self) -> str:
@@ -136,6 +150,31 @@ class Metadata(_Model):
     generation: int = 0
     deletion_timestamp: str | None = None
     finalizers: list[str] = []
+
+
+class ComputeDomainDaemonInfo(_Model):
+    """One IMEX daemon in a :class:`ComputeDomainClique`, as that daemon wrote it."""
+
+    node_name: str
+    ip_address: str = ""
+    clique_id: str = Field(default="", alias="cliqueID")
+    index: int = 0
+    status: DomainStatus = DomainStatus.NOT_READY
+
+    def as_node(self) -> dict[str, Any]:
+        """The same daemon as an entry of the ComputeDomain's ``status.nodes``."""
+        return {
+            "name": self.node_name,
+            "ipAddress": self.ip_address,
+            "cliqueID": self.clique_id,
+            "index": self.index,
+            "status": self.status.value,
+        }
+
+
+def clique_object_name(domain_uid: str, clique: str) -> str:
+    """NVIDIA's name of a ComputeDomainClique (in the driver's namespace): ``<domainUID>.<cliqueID>``."""
+    return f"{domain_uid}.{clique}"
 
 
 class ComputeDomain(_Model):

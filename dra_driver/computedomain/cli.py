@@ -10,11 +10,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
+import uuid
 from pathlib import Path
 from typing import Any
 
 from dra_driver import kube
 from dra_driver.computedomain.api import Names
+from dra_driver.computedomain.leader import LostLease
 from dra_driver.errors import EXIT_USAGE, StartupError
 from dra_driver.log import configure
 from dra_driver.settings import DEFAULT_DRIVER_NAME, ENV_PREFIX, LogFormat
@@ -31,6 +34,8 @@ _CONTROLLER: list[tuple[str, Any, str]] = [
     ("daemon_image", "", "image of the IMEX daemon pods (the driver's image)"),
     ("daemon_ready_timeout_seconds", 300.0, "a daemon not ready for this long gets a condition and an event"),
     ("resync_seconds", 600.0, "every object is reconciled at least this often"),
+    ("lease_name", "compute-domain-controller", "the Lease (in --namespace) the replicas elect a leader on"),
+    ("lease_duration_seconds", 15.0, "a leader not renewing its Lease for this long is replaced"),
 ]
 _DAEMON: list[tuple[str, Any, str]] = [
     ("imex_config_dir", "/imexd", "where prepare mounted the daemon's imexd.cfg and nodes_config.cfg"),
@@ -78,6 +83,8 @@ def _setup(args: argparse.Namespace) -> None:
 
 def _controller(args: argparse.Namespace) -> int:
     from dra_driver.computedomain.controller import ComputeDomainController
+    from dra_driver.computedomain.leader import LeaderElector, LeaseConfig
+    from dra_driver.rest import JsonApi
 
     _setup(args)
     if not args.namespace:
@@ -88,6 +95,20 @@ def _controller(args: argparse.Namespace) -> int:
         raise StartupError(
             "--daemon-image / DRA_DAEMON_IMAGE is required (the driver's image)", exit_code=EXIT_USAGE
         )
+
+    try:
+        lease = LeaseConfig(
+            namespace=args.namespace,
+            name=args.lease_name,
+            identity=f"{os.environ.get('POD_NAME') or socket.gethostname()}_{uuid.uuid4().hex[:8]}",
+            lease_duration=args.lease_duration_seconds,
+            renew_deadline=args.lease_duration_seconds * 2 / 3,
+            retry_period=args.lease_duration_seconds * 2 / 15,
+        )
+    except ValueError as error:
+        raise StartupError(
+            f"--lease-duration-seconds / DRA_LEASE_DURATION_SECONDS: {error}", exit_code=EXIT_USAGE
+        ) from None
 
     async def run() -> None:
         api = await _api(args.kubeconfig)
@@ -100,7 +121,8 @@ def _controller(args: argparse.Namespace) -> int:
                 daemon_ready_timeout=args.daemon_ready_timeout_seconds,
                 resync_seconds=args.resync_seconds,
             )
-            await controller.run()
+            # Only the Lease's holder reconciles; a replica that loses it exits (and is restarted).
+            await LeaderElector(JsonApi(api), lease).run(controller.run)
         finally:
             await api.close()  # type: ignore[no-untyped-call]
 
@@ -133,6 +155,6 @@ def _run(main: Any) -> int:
         asyncio.run(main)
     except KeyboardInterrupt:
         return 0
-    except (ValueError, OSError) as error:  # e.g. the peer port is taken, imexd.cfg unreadable
+    except (ValueError, OSError, LostLease) as error:  # e.g. the port is taken, the Lease lost
         raise StartupError(str(error)) from None
     return 0

@@ -12,13 +12,18 @@ Reconciling a domain (see :mod:`dra_driver.computedomain.objects` for the object
    say in the status why none fits (no fabric, domain larger than every clique);
 3. create the daemon's ResourceClaimTemplate and DaemonSet and the workload channel's
    ResourceClaimTemplate, re-creating any that was removed;
-4. drop status entries of nodes the domain's workloads left, and judge readiness: Ready once
+4. copy the daemons' entries of the domain's ComputeDomainCliques into ``status.nodes``, after
+   dropping the entries of nodes the domain's workloads left, and judge readiness: Ready once
    ``numNodes`` daemons on the clique report Ready; a daemon that stays not ready past the timeout
    gets a condition and an event.
 
 Deleting a domain deletes its channel template at once (no new workloads), waits until no node
 serves the domain any more (each node drops the label when the kubelet unprepares the workload's
-channel), then deletes the DaemonSet and the daemon template and releases the finalizer.
+channel), then deletes the DaemonSet, the daemon template and the cliques and releases the
+finalizer.
+
+Only one replica reconciles at a time: the command runs the controller under a Lease
+(:mod:`dra_driver.computedomain.leader`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any
 import structlog
 
 from dra_driver.computedomain.api import (
+    CLIQUE_PLURAL,
     PLURAL,
     ComputeDomain,
     DomainStatus,
@@ -51,7 +57,9 @@ from dra_driver.computedomain.objects import (
     event,
     fabric_from_slices,
     merge_conditions,
+    nodes_from_cliques,
     overall_status,
+    pruned_daemons,
 )
 from dra_driver.computedomain.workqueue import WorkQueue
 from dra_driver.kube import ApiClient
@@ -91,6 +99,7 @@ class ComputeDomainController:
         self._keys: dict[str, str] = {}  # domain uid -> namespace/name
         self._not_ready_since: dict[tuple[str, str], float] = {}  # (uid, node) -> monotonic time
         self._cd_path = f"/apis/{self.names.api_version}/{PLURAL}"
+        self._cliques_path = f"/apis/{self.names.api_version}/namespaces/{namespace}/{CLIQUE_PLURAL}"
 
     # --- the loops ---------------------------------------------------------------------------------
 
@@ -106,6 +115,13 @@ class ComputeDomainController:
             list_and_watch(
                 self._kube,
                 "/api/v1/nodes",
+                self._on_owned,
+                resync_seconds=self._resync,
+                label_selector=self.names.label,
+            ),
+            list_and_watch(
+                self._kube,
+                self._cliques_path,
                 self._on_owned,
                 resync_seconds=self._resync,
                 label_selector=self.names.label,
@@ -233,10 +249,8 @@ class ComputeDomainController:
             log.info("ComputeDomain set up", domain=key, clique=clique)
 
         members = await self._member_nodes(domain.metadata.uid)
-        stale = [node for node in domain.status.nodes if node.name not in members]
-        if stale:
-            await self._prune(path, obj, members)
-            return 0.0
+        if await self._sync_nodes(path, obj, domain, members):
+            return 0.0  # read the new status afresh
         return await self._judge(path, obj, domain, clique, members)
 
     async def _judge(
@@ -288,6 +302,11 @@ class ComputeDomainController:
             return _DELETE_POLL_S
         await self._kube.delete(self._daemon_set_path(domain))
         await self._kube.delete(self._daemon_template_path(domain))
+        cliques = await self._kube.list(
+            self._cliques_path, labelSelector=f"{self.names.label}={domain.metadata.uid}"
+        )
+        for item in cliques.get("items") or []:
+            await self._kube.delete(f"{self._cliques_path}/{item['metadata']['name']}")
         finalizers = [f for f in domain.metadata.finalizers if f != self.names.finalizer]
         await self._kube.merge_patch(
             path,
@@ -334,11 +353,29 @@ class ComputeDomainController:
             for item in listed.get("items") or []
         }
 
-    async def _prune(self, path: str, obj: Json, members: set[str]) -> None:
-        """Drop the status entries of nodes the domain left (optimistic: a conflict is retried)."""
-        status = dict(obj.get("status") or {})
-        status["nodes"] = [n for n in status.get("nodes") or [] if n.get("name") in members]
-        await self._kube.replace(f"{path}/status", {**obj, "status": status})
+    async def _sync_nodes(self, path: str, obj: Json, domain: ComputeDomain, members: set[str]) -> bool:
+        """Mirror the domain's ComputeDomainCliques into ``status.nodes``; True if anything changed.
+
+        An entry of a node that left the domain (its workload ended, the node label went) is first
+        removed from its clique, as NVIDIA's controller removes the entries of departed daemons.
+        """
+        listed = await self._kube.list(
+            self._cliques_path, labelSelector=f"{self.names.label}={domain.metadata.uid}"
+        )
+        cliques: list[Json] = listed.get("items") or []
+        for item in cliques:
+            kept = pruned_daemons(item, members)
+            if kept is not None:
+                # With the resourceVersion read: a daemon writing meanwhile makes this a 409, retried.
+                await self._kube.replace(
+                    f"{self._cliques_path}/{item['metadata']['name']}", {**item, "daemons": kept}
+                )
+                return True
+        nodes = nodes_from_cliques(cliques)
+        if nodes == [n.model_dump(by_alias=True, mode="json") for n in domain.status.nodes]:
+            return False
+        await self._kube.merge_patch(f"{path}/status", {"status": {"nodes": nodes}})
+        return True
 
     async def _set_status(
         self, path: str, obj: Json, domain: ComputeDomain | None, reason: str, message: str, ready: bool

@@ -6,12 +6,18 @@ so this process plays its part in the protocol the rest of the system sees, and 
 
 1. it reads its configuration where prepare mounted it (``/imexd/imexd.cfg``: the peer port and the
    nodes file) and the domain's identity from the environment prepare injected;
-2. it enters itself into the domain's ``status.nodes`` (name, IP address, clique, index, NotReady),
-   as NVIDIA's daemon does, and keeps the nodes file current with the peers listed there;
+2. it enters itself (node, IP address, clique, index, NotReady) into the domain's
+   ComputeDomainClique of its clique -- ``<domainUID>.<cliqueID>`` in its own namespace, created by
+   the first daemon there and owned by the daemon pods -- as NVIDIA's daemon does, and keeps the
+   nodes file current with the peers listed there (the controller copies the entries into the
+   domain's ``status.nodes``);
 3. it listens on its peer port and connects to every peer in the nodes file; once it holds a
    connection to each and the domain has ``numNodes`` members on its clique, it reports Ready;
 4. losing a peer (its connection ends) makes it NotReady until the peer is back;
 5. on SIGTERM it removes its own entry and exits 0.
+
+Each daemon writes only its own entry, with the object's resourceVersion, so concurrent writers
+retry instead of losing each other's entries.
 
 What is simulated: the "IMEX" links are plain TCP connections that carry nothing, and no GPU memory
 is shared. Everything else -- the status protocol, the nodes file, readiness -- is what the
@@ -29,7 +35,13 @@ from pathlib import Path
 
 import structlog
 
-from dra_driver.computedomain.api import PLURAL, DomainStatus, Names
+from dra_driver.computedomain.api import (
+    CLIQUE_KIND,
+    CLIQUE_PLURAL,
+    DomainStatus,
+    Names,
+    clique_object_name,
+)
 from dra_driver.computedomain.node import DAEMON_CONFIG, DAEMON_CONFIG_DIR, IMEX_SERVER_PORT, NODES_CONFIG
 from dra_driver.kube import ApiClient
 from dra_driver.rest import ApiError, Json, JsonApi
@@ -51,17 +63,28 @@ class DaemonIdentity:
     domain_name: str
     domain_namespace: str
     num_nodes: int
+    pod_namespace: str
+    pod_name: str = ""
+    pod_uid: str = ""  # the clique's owner reference: it goes with the last daemon pod
 
     @classmethod
     def from_environment(cls) -> DaemonIdentity:
         missing = [
             name
-            for name in ("NODE_NAME", "POD_IP", "CLIQUE_ID", "COMPUTE_DOMAIN_UUID", "COMPUTE_DOMAIN_NAME")
+            for name in (
+                "NODE_NAME",
+                "POD_IP",
+                "POD_NAMESPACE",
+                "CLIQUE_ID",
+                "COMPUTE_DOMAIN_UUID",
+                "COMPUTE_DOMAIN_NAME",
+            )
             if not os.environ.get(name)
         ]
         if missing:
             raise ValueError(
-                f"missing environment {', '.join(missing)}: the downward API sets NODE_NAME and POD_IP, the "
+                f"missing environment {', '.join(missing)}: the downward API sets NODE_NAME, POD_IP and "
+                "POD_NAMESPACE, the "
                 "prepared daemon claim (CDI) sets the rest; run this only in a ComputeDomain's daemon pod"
             )
         return cls(
@@ -72,6 +95,9 @@ class DaemonIdentity:
             domain_name=os.environ["COMPUTE_DOMAIN_NAME"],
             domain_namespace=os.environ.get("COMPUTE_DOMAIN_NAMESPACE", ""),
             num_nodes=int(os.environ.get("COMPUTE_DOMAIN_NUM_NODES") or 0),
+            pod_namespace=os.environ["POD_NAMESPACE"],
+            pod_name=os.environ.get("POD_NAME", ""),
+            pod_uid=os.environ.get("POD_UID", ""),
         )
 
 
@@ -105,8 +131,9 @@ class ImexDaemon:
         nodes_file = config.get("IMEX_NODE_CONFIG_FILE") or f"{DAEMON_CONFIG_DIR}/{NODES_CONFIG}"
         # The path is as the container sees it; a daemon run outside one finds it in its config dir.
         self._nodes_file = config_dir / Path(nodes_file).name
-        namespace, name = identity.domain_namespace, identity.domain_name
-        self._path = f"/apis/{names.api_version}/namespaces/{namespace}/{PLURAL}/{name}"
+        self._collection = f"/apis/{names.api_version}/namespaces/{identity.pod_namespace}/{CLIQUE_PLURAL}"
+        self._name = clique_object_name(identity.domain_uid, identity.clique)
+        self._path = f"{self._collection}/{self._name}"
         self._links: dict[str, asyncio.Task[None]] = {}
         self._connected: set[str] = set()
         self._reported: DomainStatus | None = None
@@ -138,18 +165,18 @@ class ImexDaemon:
             log.info("IMEX daemon stopped", node=self._me.node_name)
 
     async def _tick(self) -> None:
-        domain = await self._kube.get(self._path)
-        if domain is None:
-            return
-        entries = [
-            n for n in (domain.get("status") or {}).get("nodes") or [] if n.get("cliqueID") == self._me.clique
-        ]
-        mine = next((n for n in entries if n.get("name") == self._me.node_name), None)
+        clique = await self._kube.get(self._path)
+        if clique is None:
+            self._reported = None  # not created yet (or removed): create it and enter again
+            entries: list[Json] = []
+        else:
+            entries = [n for n in clique.get("daemons") or [] if n.get("cliqueID") == self._me.clique]
+        mine = next((n for n in entries if n.get("nodeName") == self._me.node_name), None)
         if mine is None or mine.get("ipAddress") != self._me.ip_address:
             self._reported = None  # our entry was pruned or is stale: enter again
         peers = sorted(
-            (n for n in entries if n.get("name") != self._me.node_name and n.get("ipAddress")),
-            key=lambda n: (int(n.get("index") or 0), str(n.get("name"))),
+            (n for n in entries if n.get("nodeName") != self._me.node_name and n.get("ipAddress")),
+            key=lambda n: (int(n.get("index") or 0), str(n.get("nodeName"))),
         )
         addresses = [self._me.ip_address, *(str(n["ipAddress"]) for n in peers)]
         self._write_nodes_file(sorted(set(addresses)))
@@ -214,37 +241,76 @@ class ImexDaemon:
         log.info("reported to the ComputeDomain", status=status.value, node=self._me.node_name)
 
     async def _update_entry(self, status: DomainStatus | None) -> None:
-        """Upsert (or, for None, remove) our entry in status.nodes; retried on write conflicts."""
+        """Upsert (or, for None, remove) our entry in the clique's daemons; retried on conflicts."""
         for _ in range(20):
             obj = await self._kube.get(self._path)
             if obj is None:
-                return
-            nodes: list[Json] = [n for n in (obj.get("status") or {}).get("nodes") or []]
-            others = [n for n in nodes if n.get("name") != self._me.node_name]
+                if status is None:
+                    return
+                obj = await self._create_clique()
+                if obj is None:
+                    continue  # another daemon created it first: read theirs
+            daemons: list[Json] = list(obj.get("daemons") or [])
+            others = [n for n in daemons if n.get("nodeName") != self._me.node_name]
             if status is not None:
-                mine = next((n for n in nodes if n.get("name") == self._me.node_name), None)
+                mine = next((n for n in daemons if n.get("nodeName") == self._me.node_name), None)
                 taken = {int(n.get("index") or 0) for n in others if n.get("cliqueID") == self._me.clique}
                 index = next(i for i in range(len(taken) + 1) if i not in taken)
                 if mine is not None and int(mine.get("index") or 0) not in taken:
                     index = int(mine.get("index") or 0)  # (clique, index) stays one node's for good
                 others.append(
                     {
-                        "name": self._me.node_name,
+                        "nodeName": self._me.node_name,
                         "ipAddress": self._me.ip_address,
                         "cliqueID": self._me.clique,
                         "index": index,
                         "status": status.value,
                     }
                 )
-            body = {**obj, "status": {**(obj.get("status") or {}), "nodes": others}}
-            body["status"].setdefault("status", DomainStatus.NOT_READY.value)
+            body = {**obj, "daemons": others}
+            if status is not None:
+                body["metadata"] = self._owned(body["metadata"])
             try:
-                await self._kube.replace(f"{self._path}/status", body)
+                await self._kube.replace(self._path, body)
                 return
             except ApiError as error:
-                if error.status != 409:
+                if error.status not in (404, 409):  # 404: deleted meanwhile, create it again
                     raise
-        raise RuntimeError("the ComputeDomain's status kept changing; giving up this update")
+        raise RuntimeError("the ComputeDomainClique kept changing; giving up this update")
+
+    async def _create_clique(self) -> Json | None:
+        """The clique object, as the first daemon of the clique creates it; None if one exists."""
+        body = {
+            "apiVersion": self._names.api_version,
+            "kind": CLIQUE_KIND,
+            "metadata": self._owned(
+                {
+                    "name": self._name,
+                    "namespace": self._me.pod_namespace,
+                    "labels": {
+                        self._names.label: self._me.domain_uid,
+                        self._names.clique_label: self._me.clique,
+                    },
+                }
+            ),
+            "daemons": [],
+        }
+        try:
+            return await self._kube.create(self._collection, body)
+        except ApiError as error:
+            if error.status == 409:
+                return None
+            raise
+
+    def _owned(self, metadata: Json) -> Json:
+        """``metadata`` with this daemon's pod among the owners: the clique goes with the last one."""
+        if not (self._me.pod_uid and self._me.pod_name):
+            return metadata
+        owners: list[Json] = list(metadata.get("ownerReferences") or [])
+        if any(o.get("uid") == self._me.pod_uid for o in owners):
+            return metadata
+        mine = {"apiVersion": "v1", "kind": "Pod", "name": self._me.pod_name, "uid": self._me.pod_uid}
+        return {**metadata, "ownerReferences": [*owners, mine]}
 
     async def _withdraw(self) -> None:
         await self._update_entry(None)

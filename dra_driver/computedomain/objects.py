@@ -15,14 +15,18 @@ selector: every workload pod of the domain lands on one NVLink clique.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from pydantic import ValidationError
 
 from dra_driver.computedomain.api import (
     CLIQUE_ATTRIBUTE,
     KIND,
     ComputeDomain,
+    ComputeDomainDaemonInfo,
     DomainStatus,
     Names,
     channel_config,
@@ -151,6 +155,7 @@ def daemon_set(names: Names, domain: ComputeDomain, namespace: str, image: str) 
                                 field_env("POD_IP", "status.podIP"),
                                 field_env("POD_NAME", "metadata.name"),
                                 field_env("POD_NAMESPACE", "metadata.namespace"),
+                                field_env("POD_UID", "metadata.uid"),
                                 {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"},
                             ],
                             "resources": {"claims": [{"name": "compute-domain-daemon"}]},
@@ -241,6 +246,23 @@ def overall_status(domain: ComputeDomain, clique: str) -> DomainStatus:
     wanted = domain.spec.num_nodes
     fine = bool(ready) and len(ready) == len(domain.status.nodes) if wanted == 0 else len(ready) >= wanted
     return DomainStatus.READY if fine else DomainStatus.NOT_READY
+
+
+def nodes_from_cliques(cliques: Iterable[Json]) -> list[Json]:
+    """``status.nodes`` of a domain: every daemon entry of its ComputeDomainCliques, in a stable order."""
+    entries = []
+    for clique in cliques:
+        for item in clique.get("daemons") or []:
+            with contextlib.suppress(ValidationError):  # a hand-edited entry: left out, not fatal
+                entries.append(ComputeDomainDaemonInfo.model_validate(item).as_node())
+    return sorted(entries, key=lambda n: (n["cliqueID"], n["index"], n["name"]))
+
+
+def pruned_daemons(clique: Json, members: set[str]) -> list[Json] | None:
+    """The clique's daemon entries without those of nodes no longer in the domain; None: none to drop."""
+    daemons: list[Json] = list(clique.get("daemons") or [])
+    kept = [d for d in daemons if d.get("nodeName") in members]
+    return kept if len(kept) != len(daemons) else None
 
 
 def condition(kind: str, ok: bool, reason: str, message: str, generation: int, now: str) -> Json:

@@ -11,7 +11,14 @@ import structlog
 
 from dra_driver.cli import main
 
-_DAEMON_ENV = ("NODE_NAME", "POD_IP", "CLIQUE_ID", "COMPUTE_DOMAIN_UUID", "COMPUTE_DOMAIN_NAME")
+_DAEMON_ENV = (
+    "NODE_NAME",
+    "POD_IP",
+    "POD_NAMESPACE",
+    "CLIQUE_ID",
+    "COMPUTE_DOMAIN_UUID",
+    "COMPUTE_DOMAIN_NAME",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +58,7 @@ def test_the_daemon_outside_its_pod_names_what_is_missing(
     for name in _DAEMON_ENV:
         monkeypatch.delenv(name, raising=False)
     assert main(["compute-domain-daemon"]) == 2
-    assert "missing environment NODE_NAME, POD_IP, CLIQUE_ID" in _one_line(capsys)
+    assert "missing environment NODE_NAME, POD_IP, POD_NAMESPACE, CLIQUE_ID" in _one_line(capsys)
 
 
 def test_the_daemon_with_an_unreadable_kubeconfig_says_so(
@@ -68,4 +75,15 @@ def test_the_daemon_with_an_unreadable_kubeconfig_says_so(
     )
     assert f"cannot read kubeconfig {tmp_path / 'missing'} (--kubeconfig / DRA_KUBECONFIG)" in _one_line(
         capsys
+    )
+
+
+def test_a_lease_too_short_to_renew_is_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("DRA_LEASE_DURATION_SECONDS", "0")
+    assert main(["compute-domain-controller", "--namespace=ns", "--daemon-image=img"]) == 2
+    assert (
+        "--lease-duration-seconds / DRA_LEASE_DURATION_SECONDS: leader election needs 0 < retry period"
+        in _one_line(capsys)
     )

@@ -55,3 +55,18 @@ def test_gpus_in_two_cliques_keep_the_node_out(tmp_path: Path) -> None:
 def test_a_gpu_without_fabric_info_keeps_the_node_out(tmp_path: Path) -> None:
     inventory = _with(_tray(tmp_path), 3, None)
     assert node_clique(inventory).reason.startswith("GPUs without NVLink fabric info: GPU-")
+
+
+def test_a_registration_in_no_cluster_is_no_multi_node_fabric() -> None:
+    """NVLink inside the node only: completed, but with a zero cluster UUID (NVIDIA's rule)."""
+    assert fabric_from_nvml(bytes(16), 0, pynvml.NVML_GPU_FABRIC_STATE_COMPLETED, "Success") is None
+
+
+def test_a_failed_registration_keeps_the_node_out_and_says_so(tmp_path: Path) -> None:
+    failed = FabricInfo(str(CLUSTER), 1, FabricState.COMPLETED, "Insufficient Resources")
+    inventory = _with(_tray(tmp_path), 1, failed)
+    clique = node_clique(inventory)
+    assert not clique.clique
+    assert clique.reason == (
+        f"GPUs whose fabric registration failed: {inventory.gpus[1].uuid} (Insufficient Resources)"
+    )
