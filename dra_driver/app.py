@@ -168,6 +168,7 @@ async def api_client(settings: Settings) -> ApiClient:
     """A client of the API server: from the kubeconfig if one is set, else the pod's service account."""
     configuration = kube.Configuration()
     await load_kube_configuration(settings.kubeconfig, configuration)
+    kube.resolve_environment_once(configuration)
     return kube.ApiClient(configuration)
 
 
