@@ -489,6 +489,25 @@ async def test_reboot_clears_every_claim_and_spec(node: Node) -> None:
     devices_of((await preparer.prepare([ref]))[ref.uid])  # the kubelet prepares it again
 
 
+async def test_reboot_removes_the_torn_specs_an_os_crash_leaves(node: Node) -> None:
+    # Specs are not fsynced: after a power loss one may be empty or cut short. The reboot's
+    # clean-up removes it like any other spec of the earlier boot, before anything is served.
+    refs = [new_ref("empty"), new_ref("cut-short")]
+    node.allocate(refs[0], "gpu-0")
+    node.allocate(refs[1], "gpu-1")
+    await (await node.started()).prepare(refs)
+    whole = node.specs.path_for(refs[0].uid).read_text()
+    node.specs.path_for(refs[0].uid).write_text("")
+    node.specs.path_for(refs[1].uid).write_text(whole[: len(whole) // 2])
+
+    node.reboot()
+    preparer = await node.started()
+
+    assert node.specs.claim_uids() == set()
+    assert preparer.prepared_claims == 0
+    assert all(devices_of(outcome) for outcome in (await preparer.prepare(refs)).values())
+
+
 async def test_a_full_gpu_prepare_writes_the_checkpoint_once(
     node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
