@@ -33,6 +33,12 @@ no record and no MIG device; if even the undo fails,
 the record stays PrepareStarted, keeps the devices reserved, and the next prepare
 or unprepare of the claim takes it over.
 
+The CDI spec is written and removed on the event loop, not in a worker thread: it is a
+file of a few KiB in a local directory (a tmpfs by default), renamed into place and never
+fsynced (:mod:`dra_driver.cdi.store`), which takes less time than a thread hop and the
+wake-up after it. The checkpoint's commits run on the event loop too, for the same reason
+(:mod:`dra_driver.node.journal`). Only NVML calls (MIG devices) go to worker threads.
+
 Across plugin instances (rolling update) the journal's file lock and conflict rules
 keep devices exclusive. Two instances preparing the *same* claim at the same moment
 are not coordinated beyond that: the kubelet sends a claim to one plugin at a time.
@@ -264,7 +270,7 @@ class NodePreparer:
                         f"uid {ref.uid} is prepared for claim {existing.namespace}/{existing.name}, "
                         f"not {ref.namespace}/{ref.name}"
                     )
-                if await asyncio.to_thread(self._specs.path_for(ref.uid).exists):
+                if self._specs.path_for(ref.uid).exists():
                     log.info("claim already prepared")
                     return _prepared_devices(existing)
                 log.warning("CDI spec of a prepared claim is missing; preparing it again")
@@ -307,13 +313,13 @@ class NodePreparer:
 
     async def _write_spec_and_commit(self, uid: str, plan: ClaimPlan, reserve: Reserve) -> None:
         """The one-step prepare: the spec, then the completed record; no spec stays if it is refused."""
-        await asyncio.to_thread(self._specs.write, uid, plan.cdi_spec)
+        self._specs.write(uid, plan.cdi_spec)
         try:
             await self._journal.commit(reserve)
         except BaseException:
             # Another attempt's record of this claim (another instance) keeps the spec: it is theirs too.
             if uid not in self._journal.state.claims:
-                await asyncio.to_thread(self._specs.remove, uid)
+                self._specs.remove(uid)
             raise
 
     async def _destroy_replaced(self, old: ClaimRecord, new: ClaimRecord) -> None:
@@ -352,7 +358,7 @@ class NodePreparer:
                 recorded += 1
             if created:
                 await self._partitioner.changed()
-            await asyncio.to_thread(self._specs.write, uid, plan.cdi_spec)
+            self._specs.write(uid, plan.cdi_spec)
             completed = record.model_copy(update={"phase": "PrepareCompleted"})
             await self._journal.commit(Complete(uid, completed))
         except MutationRejected:
@@ -368,7 +374,7 @@ class NodePreparer:
     async def _undo(self, uid: str, attempt: str, created: Sequence[tuple[str, MigDevice]]) -> None:
         try:
             all_destroyed = await self._destroy_created(created)
-            await asyncio.to_thread(self._specs.remove, uid)
+            self._specs.remove(uid)
             if all_destroyed:
                 await self._journal.commit(Release(uid, attempt))
         except Exception as error:
@@ -397,7 +403,7 @@ class NodePreparer:
             if record is not None:
                 await self._destroy_recorded(ref.uid, record)
             # The spec goes first: as long as it exists, so does the record (see recovery).
-            await asyncio.to_thread(self._specs.remove, ref.uid)
+            self._specs.remove(ref.uid)
             # Committed even when this instance has no record: the other instance may have one.
             await self._journal.commit(Release(ref.uid))
             log.info("claim unprepared")
