@@ -99,6 +99,7 @@ class Journal:
         # The file lock is per open file, so it also excludes our own threads; this lock
         # says so explicitly and holds where flock is advisory-only (some network file systems).
         self._thread_lock = threading.Lock()
+        self._lock_fd: int | None = None  # the open lock file (see _lock_file)
 
     @property
     def state(self) -> Checkpoint:
@@ -270,24 +271,42 @@ class Journal:
         if not self._thread_lock.acquire(blocking=wait):
             raise _WouldBlock
         try:
-            fd = self._open_lock_file()
+            fd = self._lock_file()
             try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:  # only without waiting: the other instance is writing
-                    raise _WouldBlock from None
+                fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # only without waiting: the other instance is writing
+                raise _WouldBlock from None
+            try:
                 yield
             finally:
-                os.close(fd)  # releases the lock
+                fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             self._thread_lock.release()
 
-    def _open_lock_file(self) -> int:
-        try:
-            return os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except FileNotFoundError:  # the data directory was removed under us: make it again
-            self._lock_path.parent.mkdir(parents=True, exist_ok=True)
-            return os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    def _lock_file(self) -> int:
+        """The lock file, kept open between writes; opened again if its path names another file.
+
+        The other instance locks whatever file the path names when it looks: if the file was
+        removed or replaced (a wiped data directory), locking the old one would exclude nobody.
+        """
+        if self._lock_fd is not None:
+            try:
+                if os.stat(self._lock_path).st_ino == os.fstat(self._lock_fd).st_ino:
+                    return self._lock_fd
+            except FileNotFoundError:
+                pass
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        self._lock_path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        return self._lock_fd
+
+    def close(self) -> None:
+        """Close the lock file (the journal opens it again when it writes next)."""
+        with self._thread_lock:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
 
 
 def _resolve(future: asyncio.Future[Checkpoint], outcome: Checkpoint | Exception) -> None:
