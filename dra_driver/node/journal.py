@@ -44,8 +44,10 @@ import asyncio
 import contextlib
 import dataclasses
 import fcntl
+import io
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,7 +101,7 @@ class Journal:
         # The file lock is per open file, so it also excludes our own threads; this lock
         # says so explicitly and holds where flock is advisory-only (some network file systems).
         self._thread_lock = threading.Lock()
-        self._lock_fd: int | None = None  # the open lock file (see _lock_file)
+        self._lock_file_object: io.FileIO | None = None  # kept open (see _lock_file)
 
     @property
     def state(self) -> Checkpoint:
@@ -289,24 +291,20 @@ class Journal:
         The other instance locks whatever file the path names when it looks: if the file was
         removed or replaced (a wiped data directory), locking the old one would exclude nobody.
         """
-        if self._lock_fd is not None:
+        if self._lock_file_object is not None:
+            fd = self._lock_file_object.fileno()
             try:
-                if os.stat(self._lock_path).st_ino == os.fstat(self._lock_fd).st_ino:
-                    return self._lock_fd
+                if os.stat(self._lock_path).st_ino == os.fstat(fd).st_ino:
+                    return fd
             except FileNotFoundError:
                 pass
-            os.close(self._lock_fd)
-            self._lock_fd = None
+            self._lock_file_object.close()
+            self._lock_file_object = None
         self._lock_path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        return self._lock_fd
-
-    def close(self) -> None:
-        """Close the lock file (the journal opens it again when it writes next)."""
-        with self._thread_lock:
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
-                self._lock_fd = None
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._lock_file_object = io.FileIO(fd, "r+", closefd=True)
+        weakref.finalize(self, self._lock_file_object.close)  # closed, not left to the collector
+        return fd
 
 
 def _resolve(future: asyncio.Future[Checkpoint], outcome: Checkpoint | Exception) -> None:
