@@ -34,6 +34,7 @@ from dra_driver.kubelet.health import HealthBoard
 from dra_driver.kubelet.server import KubeletPlugin
 from dra_driver.labels.gfd import gfd_labels
 from dra_driver.labels.labeller import NodeLabeller
+from dra_driver.memory import HeapTrimmer
 from dra_driver.metrics import Metrics
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
 from dra_driver.node.claim_status import ApiServerClaimStatus, ClaimStatusWriter
@@ -416,7 +417,9 @@ async def _serve(
         observer=metrics,
         on_prepared=claim_status.prepared,
         on_unprepared=claim_status.unprepared,
+        on_idle=lambda: trimmer.idle(),
     )
+    trimmer = HeapTrimmer(lambda: preparer.busy)  # a burst's freed memory goes back to the kernel
     await preparer.start()  # before publishing: it knows which MIG devices are the driver's own
     await gpu_health.start()  # before publishing too: a faulty GPU is never offered untainted
     publish(inventory)

@@ -113,7 +113,8 @@ class NodePreparer:
     the result to ``on_inventory_changed``, which must make ``inventory`` return it
     (and republish). ``partition`` is the policy that publishes MIG placements: only
     GPUs it selects get MIG devices created. ``on_prepared`` and ``on_unprepared`` hear of
-    every claim prepared (also again) and unprepared; they must not block.
+    every claim prepared (also again) and unprepared; they must not block. ``on_idle`` hears
+    when the last running claim operation has finished (see :mod:`dra_driver.memory`).
     """
 
     def __init__(
@@ -133,6 +134,7 @@ class NodePreparer:
         observer: PrepareObserver | None = None,
         on_prepared: Callable[[ClaimRef, tuple[PreparedDevice, ...]], None] | None = None,
         on_unprepared: Callable[[ClaimRef], None] | None = None,
+        on_idle: Callable[[], None] | None = None,
     ) -> None:
         self._driver = driver_name
         self._pool = node_name
@@ -146,6 +148,7 @@ class NodePreparer:
         self._observer = observer
         self._on_prepared = on_prepared
         self._on_unprepared = on_unprepared
+        self._on_idle = on_idle
         self._journal = Journal(checkpoint_path)
         self._locks = _ClaimLocks()
         self._ledger = MigLedger(checkpoint_path.with_name(MIG_LEDGER_DIR))
@@ -218,6 +221,7 @@ class NodePreparer:
             for ref, outcome in zip(claims, outcomes, strict=True):
                 if not isinstance(outcome, ClaimError):
                     self._on_prepared(ref, outcome)
+        self._maybe_idle()
         return {ref.uid: outcome for ref, outcome in zip(claims, outcomes, strict=True)}
 
     async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, ClaimError | None]:
@@ -229,7 +233,17 @@ class NodePreparer:
             for ref, outcome in zip(claims, outcomes, strict=True):
                 if outcome is None:
                     self._on_unprepared(ref)
+        self._maybe_idle()
         return {ref.uid: outcome for ref, outcome in zip(claims, outcomes, strict=True)}
+
+    @property
+    def busy(self) -> bool:
+        """Whether a claim operation is running."""
+        return bool(self._in_flight)
+
+    def _maybe_idle(self) -> None:
+        if self._on_idle is not None and not self._in_flight:
+            self._on_idle()
 
     async def _run(
         self,

@@ -684,3 +684,27 @@ async def test_a_control_node_that_appears_after_start_reaches_new_specs(node: N
 
     assert "/dev/nvidia-uvm" not in control_paths(first)
     assert "/dev/nvidia-uvm" in control_paths(second)
+
+
+async def test_idle_is_heard_only_when_no_claim_operation_runs(node: Node) -> None:
+    fast, slow = new_ref("fast"), new_ref("slow")
+    node.allocate(fast, "gpu-0")
+    node.allocate(slow, "gpu-1")
+    release = asyncio.Event()
+
+    class SlowFetcher:
+        async def get(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+            if name == "slow":
+                await release.wait()
+            return await node.claims.get(namespace, name)
+
+    seen: list[bool] = []
+    preparer = await node.started(SlowFetcher(), on_idle=lambda: seen.append(preparer.busy))
+    slow_pod = asyncio.create_task(preparer.prepare([slow]))
+    await preparer.prepare([fast])
+    assert seen == []  # the slow pod's claim still runs
+    release.set()
+    await slow_pod
+    assert seen == [False]
+    await preparer.unprepare([fast, slow])
+    assert seen == [False, False]
