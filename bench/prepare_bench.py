@@ -52,6 +52,7 @@ EIGHT_CLAIM_PODS = 40
 BURST_CLAIMS = 200
 BURST_ROUNDS = 3
 GROWTH_WINDOW = 20  # serial prepares compared at the start and the end of a burst
+SETTLE_S = 3.0  # idle time after the load before its memory is read
 OUTPUT = Path("_output/bench.json")
 
 DESIGN = {
@@ -188,6 +189,7 @@ async def measure_daemon(
         endpoint = await start(daemon)
         idle_rss, _ = daemon.rss_mib()
         load = await _load(endpoint, kubeconfig, claims, daemon)
+        await asyncio.sleep(SETTLE_S)  # memory after load: what an idle node keeps, not the last burst's
         rss, peak_rss = daemon.rss_mib()
     finally:
         daemon.stop()
