@@ -7,13 +7,17 @@ credentials.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from aiohttp import web
 
 from dra_driver import kube
+from dra_driver.app import API_CONNECTIONS, api_client
 from dra_driver.rest import JsonApi
+from dra_driver.settings import Settings
 
 
 @pytest.fixture
@@ -88,3 +92,41 @@ def test_without_a_proxy_in_the_environment_nothing_is_proxied(monkeypatch: pyte
     configuration = _configuration("https://apiserver.example:6443")
     kube.resolve_environment_once(configuration)
     assert configuration.proxy is None
+
+
+async def test_a_burst_of_requests_shares_a_few_connections(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What a 200-claim burst does to the API server: without a cap, one connection (one TLS
+    # handshake) per request in flight.
+    peers: set[object] = set()
+
+    async def answer(request: web.Request) -> web.Response:
+        peers.add(request.transport.get_extra_info("peername") if request.transport else None)
+        await asyncio.sleep(0.02)  # requests overlap, as the claims of a burst do
+        return web.json_response({"metadata": {"uid": "u1"}})
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        f"clusters: [{{name: k, cluster: {{server: 'http://127.0.0.1:{port}'}}}}]\n"
+        "users: [{name: u, user: {token: t}}]\n"
+        "contexts: [{name: c, context: {cluster: k, user: u}}]\n"
+    )
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    client = await api_client(Settings(kubeconfig=kubeconfig))
+    try:
+        answers = await asyncio.gather(*(JsonApi(client).get(f"/api/v1/nodes/n{i}") for i in range(200)))
+    finally:
+        await client.close()
+        await runner.cleanup()
+    assert all(a is not None for a in answers)
+    assert len(peers) <= API_CONNECTIONS
