@@ -35,7 +35,7 @@ class StartupTimes:
 
     socket: float  # the registration socket exists
     registered: float  # GetInfo + NotifyRegistrationStatus answered
-    ready: float  # /readyz answered 200
+    ready: float | None  # /readyz answered 200 (None: the daemon has no readiness endpoint)
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,14 @@ class Daemon:
         self.paths.create()
         self.log = base / "daemon.log"
         (self.http_port,) = free_ports(1)
-        paths = self.paths
-        self._argv = [
+        self._argv = self.command()
+        self._child: subprocess.Popen[bytes] | None = None
+        self._record: processes.ProcessRecord | None = None
+
+    def command(self) -> list[str]:
+        """The daemon's command line."""
+        config, paths = self.config, self.paths
+        return [
             sys.executable, "-m", "dra_driver", "kubelet-plugin",
             f"--driver-name={config.driver}",
             f"--node-name={config.node}",
@@ -73,8 +79,6 @@ class Daemon:
             f"--http-address=127.0.0.1:{self.http_port}",
             "--log-format=json",
         ]  # fmt: skip
-        self._child: subprocess.Popen[bytes] | None = None
-        self._record: processes.ProcessRecord | None = None
 
     @property
     def registration_socket(self) -> Path:
@@ -94,10 +98,19 @@ class Daemon:
         socket_at = time.perf_counter() - started
         endpoint = await register(self.registration_socket, self.config.driver)
         registered_at = time.perf_counter() - started
-        async with aiohttp.ClientSession() as session:
-            await self._until_async(lambda: _answers_ok(session, f"http://127.0.0.1:{self.http_port}/readyz"))
-        ready_at = time.perf_counter() - started
+        ready_at = None
+        if self.has_readyz:
+            async with aiohttp.ClientSession() as session:
+                await self._until_async(
+                    lambda: _answers_ok(session, f"http://127.0.0.1:{self.http_port}/readyz")
+                )
+            ready_at = time.perf_counter() - started
         return StartupTimes(socket=socket_at, registered=registered_at, ready=ready_at), endpoint
+
+    @property
+    def has_readyz(self) -> bool:
+        """Whether the daemon answers /readyz on ``http_port`` (registered and slices published)."""
+        return True
 
     def stop(self) -> None:
         if self._record is not None and self._child is not None:

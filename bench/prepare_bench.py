@@ -18,14 +18,23 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.claims import AllocatedClaims
 from bench.daemon import Daemon, DaemonConfig, StartupTimes, imported_rss_mib, python_seconds
 from bench.kubelet import BenchFailure, DraClient
-from bench.report import BurstRound, Floors, LoadResults, Measurements, Workload, build_report, table
+from bench.report import (
+    BurstRound,
+    DaemonRun,
+    Floors,
+    LoadResults,
+    Measurements,
+    Workload,
+    build_report,
+    table,
+)
 from bench.stats import Latency
 from dra_driver.app import api_client
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
@@ -43,6 +52,7 @@ EIGHT_CLAIM_PODS = 40
 BURST_CLAIMS = 200
 BURST_ROUNDS = 3
 GROWTH_WINDOW = 20  # serial prepares compared at the start and the end of a burst
+SETTLE_S = 3.0  # idle time after the load before its memory is read
 OUTPUT = Path("_output/bench.json")
 
 DESIGN = {
@@ -124,44 +134,72 @@ async def _measure(cluster: ClusterInfo, base: Path) -> Measurements:
     config = DaemonConfig(
         driver=DEFAULT_DRIVER_NAME, node=NODE, gpus=GPU_PROFILE, kubeconfig=cluster.kubeconfig
     )
-    startups: list[StartupTimes] = []
+    claims = await asyncio.to_thread(create_claims, AllocatedClaims(cluster.rest(), config.driver, NODE))
     bare: list[float] = []
     imports: list[float] = []
 
-    async def start(daemon: Daemon) -> Path:
-        # Each start right after its floors, so that both see the machine in the same state.
+    async def floors() -> None:
+        # Before each start, so that the floors and the start see the machine in the same state.
         bare.append(await asyncio.to_thread(python_seconds, "pass"))
         imports.append(await asyncio.to_thread(python_seconds, "import dra_driver.app"))
+
+    run = await measure_daemon(lambda where: Daemon(config, base / where), claims, cluster.kubeconfig, floors)
+    return Measurements(
+        run.startups,
+        Floors(
+            python_bare_s=statistics.median(bare),
+            python_imports_s=statistics.median(imports),
+            imports_only_rss_mib=await asyncio.to_thread(imported_rss_mib),
+        ),
+        run.idle_rss_mib,
+        run.final_rss_mib,
+        run.peak_rss_mib,
+        run.load,
+    )
+
+
+async def measure_daemon(
+    new_daemon: Callable[[str], Daemon],
+    claims: Claims,
+    kubeconfig: Path,
+    before_start: Callable[[], Awaitable[None]] | None = None,
+) -> DaemonRun:
+    """Start-ups, then the whole load on the last start: what one driver measures in one run.
+
+    ``new_daemon(name)`` makes a daemon in fresh directories called ``name``; ``before_start`` runs
+    right before each start (the interpreter floors).
+    """
+    startups: list[StartupTimes] = []
+
+    async def start(daemon: Daemon) -> Path:
+        if before_start is not None:
+            await before_start()
         times, endpoint = await daemon.start()
         startups.append(times)
         return endpoint
 
     for run in range(STARTS - 1):  # fresh directories each time: a first start on a node
-        daemon = Daemon(config, base / f"daemon-{run}")
+        daemon = new_daemon(f"start-{run}")
         try:
             await start(daemon)
         finally:
             daemon.stop()
-    daemon = Daemon(config, base / "daemon")
+    daemon = new_daemon("load")
     try:
         endpoint = await start(daemon)
         idle_rss, _ = daemon.rss_mib()
-        claims = await asyncio.to_thread(_create_claims, AllocatedClaims(cluster.rest(), config.driver, NODE))
-        load = await _load(endpoint, cluster.kubeconfig, claims, daemon)
+        load = await _load(endpoint, kubeconfig, claims, daemon)
+        await asyncio.sleep(SETTLE_S)  # memory after load: what an idle node keeps, not the last burst's
         rss, peak_rss = daemon.rss_mib()
     finally:
         daemon.stop()
-    floors = Floors(
-        python_bare_s=statistics.median(bare),
-        python_imports_s=statistics.median(imports),
-        imports_only_rss_mib=await asyncio.to_thread(imported_rss_mib),
-    )
-    return Measurements(startups, floors, idle_rss, rss, peak_rss, load)
+    return DaemonRun(startups, idle_rss, rss, peak_rss, load)
 
 
-def _create_claims(factory: AllocatedClaims) -> Claims:
-    exclusive = factory.namespace("bench-exclusive", admin_access=False)
-    admin = factory.namespace("bench-admin", admin_access=True)
+def create_claims(factory: AllocatedClaims, prefix: str = "bench") -> Claims:
+    """Every claim one run prepares, allocated from the factory's driver; namespaces ``prefix``-*."""
+    exclusive = factory.namespace(f"{prefix}-exclusive", admin_access=False)
+    admin = factory.namespace(f"{prefix}-admin", admin_access=True)
 
     def claims(prefix: str, count: int, *, admin_access: bool = False) -> list[ClaimRef]:
         namespace = admin if admin_access else exclusive

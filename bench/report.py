@@ -69,6 +69,17 @@ class LoadResults:
 
 
 @dataclass(frozen=True)
+class DaemonRun:
+    """What one daemon measured: its start-ups, then the load on its last start."""
+
+    startups: list[StartupTimes]
+    idle_rss_mib: float
+    final_rss_mib: float
+    peak_rss_mib: float
+    load: LoadResults
+
+
+@dataclass(frozen=True)
 class Measurements:
     startups: list[StartupTimes]
     floors: Floors
@@ -94,7 +105,7 @@ def build_report(
 
     throughput = {field: round(median_of(field), 2) for field in BurstRound.__dataclass_fields__}
     startup = {
-        field: round(statistics.median(getattr(s, field) for s in startups), 3)
+        field: round(statistics.median(v for s in startups if (v := getattr(s, field)) is not None), 3)
         for field in StartupTimes.__dataclass_fields__
     }
     rss = {
@@ -161,8 +172,8 @@ def build_report(
     }
 
 
-def _rounded(figures: Latency | BurstRound | StartupTimes, digits: int) -> dict[str, float]:
-    return {name: round(value, digits) for name, value in asdict(figures).items()}
+def _rounded(figures: Latency | BurstRound | StartupTimes, digits: int) -> dict[str, float | None]:
+    return {name: None if value is None else round(value, digits) for name, value in asdict(figures).items()}
 
 
 def _meets(value: float, op: str, limit: float) -> bool:

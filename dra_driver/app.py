@@ -34,6 +34,7 @@ from dra_driver.kubelet.health import HealthBoard
 from dra_driver.kubelet.server import KubeletPlugin
 from dra_driver.labels.gfd import gfd_labels
 from dra_driver.labels.labeller import NodeLabeller
+from dra_driver.memory import HeapTrimmer
 from dra_driver.metrics import Metrics
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
 from dra_driver.node.claim_status import ApiServerClaimStatus, ClaimStatusWriter
@@ -164,10 +165,19 @@ def edits_for(settings: Settings, inventory: Inventory) -> CommonEdits:
     return common_edits(inventory, files, hook_path=hook_path if files is not None else None)
 
 
+# HTTP/1.1 connections to the API server at most (the client's default is 100). A burst of 200
+# prepares opened one per claim GET in flight: a TLS handshake each, on both sides of a busy
+# node, and their buffers kept afterwards. A GET takes a few ms, so 16 connections carry
+# thousands a second, and leave room for the long-lived watches (slices, ComputeDomains).
+API_CONNECTIONS = 16
+
+
 async def api_client(settings: Settings) -> ApiClient:
     """A client of the API server: from the kubeconfig if one is set, else the pod's service account."""
     configuration = kube.Configuration()
     await load_kube_configuration(settings.kubeconfig, configuration)
+    kube.resolve_environment_once(configuration)
+    configuration.connection_pool_maxsize = API_CONNECTIONS
     return kube.ApiClient(configuration)
 
 
@@ -416,7 +426,9 @@ async def _serve(
         observer=metrics,
         on_prepared=claim_status.prepared,
         on_unprepared=claim_status.unprepared,
+        on_idle=lambda: trimmer.idle(),
     )
+    trimmer = HeapTrimmer(lambda: preparer.busy)  # a burst's freed memory goes back to the kernel
     await preparer.start()  # before publishing: it knows which MIG devices are the driver's own
     await gpu_health.start()  # before publishing too: a faulty GPU is never offered untainted
     publish(inventory)

@@ -78,6 +78,34 @@ else:
     load_kube_config = _client.kube_config.load_kube_config
     load_incluster_config = _client.incluster_config.load_incluster_config
 
+
+def resolve_environment_once(configuration: Configuration) -> None:
+    """Look up the environment's proxy for the API server once, instead of twice per request.
+
+    The client's aiohttp session trusts the environment (``trust_env``): for every request it
+    reads ``~/.netrc`` and ``HTTPS_PROXY``/``NO_PROXY`` again, each in a worker thread, so every
+    claim GET paid two thread hops. The API server is one host and the environment of a running
+    process does not change, so the answer is found here once: the proxy it names for the
+    server (``NO_PROXY`` honoured, with its credentials, from its URL or ``~/.netrc``) becomes
+    the configuration's proxy, and the session stops asking. A proxy the kubeconfig sets
+    (``proxy-url``) is already the configuration's and wins, as with kubectl. ``.netrc`` is no
+    longer read for the API server's own credentials: neither kubectl nor client-go ever read it.
+    """
+    from aiohttp.helpers import get_env_proxy_for_url  # the client's own dependency
+    from yarl import URL
+
+    configuration.client_session_kwargs = {"trust_env": False}
+    if configuration.proxy or not configuration.host:
+        return
+    try:
+        proxy, auth = get_env_proxy_for_url(URL(configuration.host))
+    except LookupError:  # no proxy for this host (none set, or NO_PROXY names it)
+        return
+    if auth is not None:  # in the URL, where aiohttp turns it into Proxy-Authorization (also for CONNECT)
+        proxy = proxy.with_user(auth.login).with_password(auth.password)
+    configuration.proxy = str(proxy)
+
+
 __all__ = [
     "ApiClient",
     "ApiException",
@@ -85,4 +113,5 @@ __all__ = [
     "Configuration",
     "load_incluster_config",
     "load_kube_config",
+    "resolve_environment_once",
 ]

@@ -3,12 +3,19 @@
 A runtime may read the directory at any moment -- containerd and CRI-O watch it --
 and refuses a file it cannot parse, so a spec appears whole or not at all: it is
 written to a temporary file whose name the runtime ignores (hidden, ending in
-``.tmp``, while runtimes read only ``.json`` and ``.yaml``), flushed, renamed into
-place and the directory flushed, so that a crash leaves either the old spec or the
-new one.
+``.tmp``, while runtimes read only ``.json`` and ``.yaml``) and renamed into place,
+so that a killed plugin leaves either the old spec or the new one.
 
-All methods block on the file system; callers on the event loop use
-``asyncio.to_thread``.
+Nothing is fsynced, and that loses nothing: a killed process loses nothing the kernel
+already has (the rename is atomic for every reader), and an operating-system crash is a
+reboot, after which the plugin removes every spec of ours, whole or torn, before it
+serves (the boot id in the fsynced checkpoint snapshot says the claims belong to an
+earlier boot; see :mod:`dra_driver.node.recovery`). The same rule lets the checkpoint's
+log skip its fsyncs (:mod:`dra_driver.node.checkpoint_log`). The default directory,
+``/var/run/cdi``, is a tmpfs anyway, where an fsync does nothing.
+
+All methods block on the file system, briefly: the preparer calls them on the event loop,
+where a small local write costs less than the thread hop around it.
 """
 
 from __future__ import annotations
@@ -68,7 +75,6 @@ class SpecStore:
                 temp.flush()
                 # Readable like any other spec: tools such as `cdi list` need not run as root.
                 os.fchmod(temp.fileno(), 0o644)
-                os.fsync(temp.fileno())
                 crashpoint.reached("cdi.before_rename")
                 # Renamed while still open and locked: see remove_leftover_temps.
                 os.replace(temp_name, path)
@@ -76,7 +82,6 @@ class SpecStore:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temp_name)
             raise
-        self._sync_directory()
         crashpoint.reached("cdi.after_write")
         return path
 
@@ -88,7 +93,6 @@ class SpecStore:
             path.unlink()
         except FileNotFoundError:
             return
-        self._sync_directory()
         crashpoint.reached("cdi.after_remove")
 
     def remove_leftover_temps(self) -> list[str]:
@@ -124,8 +128,6 @@ class SpecStore:
                 pass  # its writer renamed it just before it let go of the lock
             finally:
                 os.close(fd)
-        if removed:
-            self._sync_directory()
         return removed
 
     def claim_uids(self) -> set[str]:
@@ -159,14 +161,6 @@ class SpecStore:
         if not isinstance(spec, dict):
             raise ValueError(f"{path} does not hold a CDI spec object; remove it and prepare the claim again")
         return spec
-
-    def _sync_directory(self) -> None:
-        """Make a rename or unlink durable: it lives in the directory, not in the file."""
-        fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _locked_temp_file(directory: Path, prefix: str) -> tuple[int, str]:

@@ -271,7 +271,7 @@ class ClaimStatusWriter:
             return
         tracked.written = entries
         tracked.attempts = 0
-        bound.info("claim status written", devices=[e["device"] for e in entries])
+        bound.debug("claim status written", devices=[e["device"] for e in entries])
 
     def _failed(self, tracked: _Tracked, error: StatusWriteError, bound: Any) -> None:
         tracked.attempts += 1

@@ -22,12 +22,20 @@ No instance's update is lost, and the conflict rules of :mod:`dra_driver.node.st
 always see both instances' claims.
 
 The flusher is the only owner of the in-memory state: reads of the file
-(:meth:`Journal.refresh`) queue behind writes like mutations do, and the worker
-thread publishes the state it wrote together with the bytes, before it releases the
+(:meth:`Journal.refresh`) queue behind writes like mutations do, and the writer
+publishes the state it wrote together with the bytes, before it releases the
 lock. State and file therefore always change together. (Publishing on the event loop
 after the lock was released let a concurrent read pair the new bytes with the old
 state and keep the old state: released claims came back, and a committed reservation
 could be dropped.)
+
+A group commit is an append of a few hundred bytes, without an fsync, to a file on the
+node's own disk: it takes less time than handing it to a worker thread and waking the
+event loop again, which on a busy node is two waits for a CPU. So the flusher writes on
+the event loop, with the locks taken without waiting. Only when it would have to wait or
+block for long -- the other instance holds the file lock, or the snapshot is due to be
+rewritten, which is fsynced -- does the batch go to a worker thread, as a whole and from the
+start (nothing is written before that decision).
 """
 
 from __future__ import annotations
@@ -36,8 +44,10 @@ import asyncio
 import contextlib
 import dataclasses
 import fcntl
+import io
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +74,10 @@ class CheckpointWriteError(Exception):
     """The checkpoint could not be written; the mutation did not happen."""
 
 
+class _WouldBlock(Exception):
+    """The write would wait (for a lock) or block for long (an fsync): run it in a worker thread."""
+
+
 @dataclass(frozen=True)
 class _Read:
     """A queued :meth:`Journal.refresh`: no change, only the freshest state."""
@@ -87,6 +101,7 @@ class Journal:
         # The file lock is per open file, so it also excludes our own threads; this lock
         # says so explicitly and holds where flock is advisory-only (some network file systems).
         self._thread_lock = threading.Lock()
+        self._lock_file_object: io.FileIO | None = None  # kept open (see _lock_file)
 
     @property
     def state(self) -> Checkpoint:
@@ -159,8 +174,12 @@ class Journal:
     async def _flush(self) -> None:
         while self._pending:
             batch, self._pending = self._pending, []
+            steps = [step for step, _ in batch]
             try:
-                state, outcomes = await asyncio.to_thread(self._write, [step for step, _ in batch])
+                try:
+                    state, outcomes = self._write(steps, inline=True)
+                except _WouldBlock:
+                    state, outcomes = await asyncio.to_thread(self._write, steps)
             except Exception as error:  # a waiter must never hang: every failure resolves the batch
                 log.error(
                     "checkpoint write failed", path=str(self.path), error=str(error), mutations=len(batch)
@@ -172,15 +191,23 @@ class Journal:
             for (_, future), outcome in zip(batch, outcomes, strict=True):
                 _resolve(future, state if outcome is None else outcome)
 
-    def _write(self, steps: list[_Step]) -> tuple[Checkpoint, list[MutationRejected | None]]:
-        """Apply ``steps`` to the freshest state; publish the state before unlocking."""
-        with self._locked():
+    def _write(
+        self, steps: list[_Step], *, inline: bool = False
+    ) -> tuple[Checkpoint, list[MutationRejected | None]]:
+        """Apply ``steps`` to the freshest state; publish the state before unlocking.
+
+        ``inline`` (on the event loop): raise :class:`_WouldBlock` instead of waiting for a lock
+        or rewriting the snapshot, before anything is written or published.
+        """
+        with self._locked(wait=not inline):
             base, position = self._current()
             mutations = [step for step in steps if not isinstance(step, _Read)]
             state, applied = apply(base, mutations)
             if state is base:
                 self._state, self._position = state, position
             elif position is None or position.end > max(_COMPACT_AT_LEAST, 2 * self._snapshot_size):
+                if inline:
+                    raise _WouldBlock
                 self._compact(state)
             else:
                 changed = {m.uid for m in mutations if base.claims.get(m.uid) is not state.claims.get(m.uid)}
@@ -241,15 +268,43 @@ class Journal:
         return replayed.state, replayed.position
 
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        self._lock_path.parent.mkdir(parents=True, exist_ok=True)
-        with self._thread_lock:
-            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    def _locked(self, *, wait: bool = True) -> Iterator[None]:
+        """Both locks; ``wait=False``: raise :class:`_WouldBlock` rather than wait for either."""
+        if not self._thread_lock.acquire(blocking=wait):
+            raise _WouldBlock
+        try:
+            fd = self._lock_file()
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # only without waiting: the other instance is writing
+                raise _WouldBlock from None
+            try:
                 yield
             finally:
-                os.close(fd)  # releases the lock
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            self._thread_lock.release()
+
+    def _lock_file(self) -> int:
+        """The lock file, kept open between writes; opened again if its path names another file.
+
+        The other instance locks whatever file the path names when it looks: if the file was
+        removed or replaced (a wiped data directory), locking the old one would exclude nobody.
+        """
+        if self._lock_file_object is not None:
+            fd = self._lock_file_object.fileno()
+            try:
+                if os.stat(self._lock_path).st_ino == os.fstat(fd).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass
+            self._lock_file_object.close()
+            self._lock_file_object = None
+        self._lock_path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._lock_file_object = io.FileIO(fd, "r+", closefd=True)
+        weakref.finalize(self, self._lock_file_object.close)  # closed, not left to the collector
+        return fd
 
 
 def _resolve(future: asyncio.Future[Checkpoint], outcome: Checkpoint | Exception) -> None:

@@ -33,6 +33,12 @@ no record and no MIG device; if even the undo fails,
 the record stays PrepareStarted, keeps the devices reserved, and the next prepare
 or unprepare of the claim takes it over.
 
+The CDI spec is written and removed on the event loop, not in a worker thread: it is a
+file of a few KiB in a local directory (a tmpfs by default), renamed into place and never
+fsynced (:mod:`dra_driver.cdi.store`), which takes less time than a thread hop and the
+wake-up after it. The checkpoint's commits run on the event loop too, for the same reason
+(:mod:`dra_driver.node.journal`). Only NVML calls (MIG devices) go to worker threads.
+
 Across plugin instances (rolling update) the journal's file lock and conflict rules
 keep devices exclusive. Two instances preparing the *same* claim at the same moment
 are not coordinated beyond that: the kubelet sends a claim to one plugin at a time.
@@ -107,7 +113,8 @@ class NodePreparer:
     the result to ``on_inventory_changed``, which must make ``inventory`` return it
     (and republish). ``partition`` is the policy that publishes MIG placements: only
     GPUs it selects get MIG devices created. ``on_prepared`` and ``on_unprepared`` hear of
-    every claim prepared (also again) and unprepared; they must not block.
+    every claim prepared (also again) and unprepared; they must not block. ``on_idle`` hears
+    when the last running claim operation has finished (see :mod:`dra_driver.memory`).
     """
 
     def __init__(
@@ -127,6 +134,7 @@ class NodePreparer:
         observer: PrepareObserver | None = None,
         on_prepared: Callable[[ClaimRef, tuple[PreparedDevice, ...]], None] | None = None,
         on_unprepared: Callable[[ClaimRef], None] | None = None,
+        on_idle: Callable[[], None] | None = None,
     ) -> None:
         self._driver = driver_name
         self._pool = node_name
@@ -140,6 +148,7 @@ class NodePreparer:
         self._observer = observer
         self._on_prepared = on_prepared
         self._on_unprepared = on_unprepared
+        self._on_idle = on_idle
         self._journal = Journal(checkpoint_path)
         self._locks = _ClaimLocks()
         self._ledger = MigLedger(checkpoint_path.with_name(MIG_LEDGER_DIR))
@@ -212,6 +221,7 @@ class NodePreparer:
             for ref, outcome in zip(claims, outcomes, strict=True):
                 if not isinstance(outcome, ClaimError):
                     self._on_prepared(ref, outcome)
+        self._maybe_idle()
         return {ref.uid: outcome for ref, outcome in zip(claims, outcomes, strict=True)}
 
     async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, ClaimError | None]:
@@ -223,7 +233,17 @@ class NodePreparer:
             for ref, outcome in zip(claims, outcomes, strict=True):
                 if outcome is None:
                     self._on_unprepared(ref)
+        self._maybe_idle()
         return {ref.uid: outcome for ref, outcome in zip(claims, outcomes, strict=True)}
+
+    @property
+    def busy(self) -> bool:
+        """Whether a claim operation is running."""
+        return bool(self._in_flight)
+
+    def _maybe_idle(self) -> None:
+        if self._on_idle is not None and not self._in_flight:
+            self._on_idle()
 
     async def _run(
         self,
@@ -264,7 +284,7 @@ class NodePreparer:
                         f"uid {ref.uid} is prepared for claim {existing.namespace}/{existing.name}, "
                         f"not {ref.namespace}/{ref.name}"
                     )
-                if await asyncio.to_thread(self._specs.path_for(ref.uid).exists):
+                if self._specs.path_for(ref.uid).exists():
                     log.info("claim already prepared")
                     return _prepared_devices(existing)
                 log.warning("CDI spec of a prepared claim is missing; preparing it again")
@@ -307,13 +327,13 @@ class NodePreparer:
 
     async def _write_spec_and_commit(self, uid: str, plan: ClaimPlan, reserve: Reserve) -> None:
         """The one-step prepare: the spec, then the completed record; no spec stays if it is refused."""
-        await asyncio.to_thread(self._specs.write, uid, plan.cdi_spec)
+        self._specs.write(uid, plan.cdi_spec)
         try:
             await self._journal.commit(reserve)
         except BaseException:
             # Another attempt's record of this claim (another instance) keeps the spec: it is theirs too.
             if uid not in self._journal.state.claims:
-                await asyncio.to_thread(self._specs.remove, uid)
+                self._specs.remove(uid)
             raise
 
     async def _destroy_replaced(self, old: ClaimRecord, new: ClaimRecord) -> None:
@@ -352,7 +372,7 @@ class NodePreparer:
                 recorded += 1
             if created:
                 await self._partitioner.changed()
-            await asyncio.to_thread(self._specs.write, uid, plan.cdi_spec)
+            self._specs.write(uid, plan.cdi_spec)
             completed = record.model_copy(update={"phase": "PrepareCompleted"})
             await self._journal.commit(Complete(uid, completed))
         except MutationRejected:
@@ -368,7 +388,7 @@ class NodePreparer:
     async def _undo(self, uid: str, attempt: str, created: Sequence[tuple[str, MigDevice]]) -> None:
         try:
             all_destroyed = await self._destroy_created(created)
-            await asyncio.to_thread(self._specs.remove, uid)
+            self._specs.remove(uid)
             if all_destroyed:
                 await self._journal.commit(Release(uid, attempt))
         except Exception as error:
@@ -397,7 +417,7 @@ class NodePreparer:
             if record is not None:
                 await self._destroy_recorded(ref.uid, record)
             # The spec goes first: as long as it exists, so does the record (see recovery).
-            await asyncio.to_thread(self._specs.remove, ref.uid)
+            self._specs.remove(ref.uid)
             # Committed even when this instance has no record: the other instance may have one.
             await self._journal.commit(Release(ref.uid))
             log.info("claim unprepared")

@@ -20,6 +20,7 @@ freshest state on disk, so the rules here are the one place that decides conflic
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -79,7 +80,7 @@ def apply(
 ) -> tuple[Checkpoint, list[MutationRejected | None]]:
     """Apply ``mutations`` in order; a rejected one changes nothing and gets its reason."""
     claims = dict(checkpoint.claims)
-    holders = _Holders(claims)
+    holders = _index.take(checkpoint) or _Holders(claims)
     outcomes: list[MutationRejected | None] = []
     changed = False
     for mutation in mutations:
@@ -90,8 +91,11 @@ def apply(
         else:
             outcomes.append(None)
     if not changed:
+        _index.keep(checkpoint, holders)
         return checkpoint, outcomes
-    return checkpoint.model_copy(update={"claims": claims, "generation": checkpoint.generation + 1}), outcomes
+    result = checkpoint.model_copy(update={"claims": claims, "generation": checkpoint.generation + 1})
+    _index.keep(result, holders)
+    return result, outcomes
 
 
 def _apply_one(claims: dict[str, ClaimRecord], holders: _Holders, mutation: Mutation) -> bool:
@@ -188,6 +192,36 @@ class _Holders:
                 del self._devices[_key(device)]
             if device.mig is not None:
                 self._partitioned.get((device.pool, device.mig.parent_device), set()).discard(uid)
+
+
+class _HolderIndex:
+    """The holders of the checkpoint :func:`apply` returned last, so the next apply need not rebuild them.
+
+    Building them walks every claim, which made each commit cost more the more claims the node
+    held. The journal applies its mutations to the very checkpoint the previous apply returned,
+    so that one's holders are kept, keyed by the object's identity: any other checkpoint (one
+    read from the file, the other instance's) gets its holders built afresh. :meth:`take` hands
+    them out once, since the caller changes them in place, and :meth:`keep` stores them under
+    the checkpoint they now describe; a lock makes the pair one step for callers in several threads.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._checkpoint: Checkpoint | None = None
+        self._holders: _Holders | None = None
+
+    def take(self, checkpoint: Checkpoint) -> _Holders | None:
+        with self._lock:
+            holders = self._holders if self._checkpoint is checkpoint else None
+            self._checkpoint = self._holders = None
+            return holders
+
+    def keep(self, checkpoint: Checkpoint, holders: _Holders) -> None:
+        with self._lock:
+            self._checkpoint, self._holders = checkpoint, holders
+
+
+_index = _HolderIndex()
 
 
 def _exclusive(record: ClaimRecord) -> list[DeviceRecord]:

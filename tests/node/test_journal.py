@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from dra_driver.node import checkpoint as ckpt
 from dra_driver.node import checkpoint_log as ckpt_log
+from dra_driver.node import journal as journal_module
 from dra_driver.node.checkpoint import Checkpoint, ClaimRecord, DeviceRecord, LoadedCheckpoint, Phase
 from dra_driver.node.checkpoint_log import LogEntry, read_state
 from dra_driver.node.journal import CheckpointWriteError, Journal
@@ -70,6 +73,67 @@ async def test_concurrent_commits_share_one_write(tmp_path: Path, writes: list[i
     assert journal.state == on_disk
     # All 200 were queued before the writer ran: one file write (one fsync) for all of them.
     assert writes == [200]
+
+
+async def test_a_commit_is_written_without_a_worker_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    journal = await opened(tmp_path / "checkpoint.json")
+    handed_off: list[object] = []
+    real_to_thread = asyncio.to_thread
+
+    async def to_thread(function: object, *args: object) -> object:
+        handed_off.append(function)
+        return await real_to_thread(function, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(asyncio, "to_thread", to_thread)
+    await journal.commit(Reserve("u1", record("a1", "gpu-0")))
+    await journal.refresh()
+    await journal.commit(Release("u1"))
+
+    assert handed_off == []  # an unsynced append: cheaper than a thread hop
+    assert read_state(tmp_path / "checkpoint.json").claims == {}
+
+
+async def test_a_commit_waits_in_a_thread_while_the_other_instance_holds_the_lock(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.json"
+    journal = await opened(path)
+    other = os.open(path.with_name(path.name + ".lock"), os.O_RDWR)
+    fcntl.flock(other, fcntl.LOCK_EX)  # another open file: excludes this process's writer too
+    try:
+        commit = asyncio.create_task(journal.commit(Reserve("u1", record("a1", "gpu-0"))))
+        await asyncio.sleep(0.2)  # the event loop runs on: the writer waits in a worker thread
+        assert not commit.done()
+        assert read_state(path).claims == {}
+    finally:
+        fcntl.flock(other, fcntl.LOCK_UN)
+        os.close(other)
+    await asyncio.wait_for(commit, timeout=10)
+    assert sorted(read_state(path).claims) == ["u1"]
+
+
+async def test_the_snapshot_is_rewritten_in_a_worker_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "checkpoint.json"
+    journal = await opened(path)
+    on_threads: list[str] = []
+    real_write = ckpt.write
+
+    def write(where: Path, state: Checkpoint) -> bytes:
+        on_threads.append(threading.current_thread().name)
+        return real_write(where, state)
+
+    monkeypatch.setattr(ckpt, "write", write)
+    monkeypatch.setattr(journal_module, "_COMPACT_AT_LEAST", 0)  # compact once the log passes 2x the snapshot
+    for i in range(50):
+        await journal.commit(Reserve(f"u{i}", record(f"a{i}", f"gpu-{i}")))
+        if on_threads:
+            break
+
+    assert on_threads
+    assert threading.main_thread().name not in on_threads  # fsynced: never on the event loop
+    assert sorted(read_state(path).claims) == sorted(f"u{j}" for j in range(i + 1))
 
 
 async def test_exactly_one_of_two_claims_for_one_device_wins(tmp_path: Path) -> None:

@@ -489,6 +489,25 @@ async def test_reboot_clears_every_claim_and_spec(node: Node) -> None:
     devices_of((await preparer.prepare([ref]))[ref.uid])  # the kubelet prepares it again
 
 
+async def test_reboot_removes_the_torn_specs_an_os_crash_leaves(node: Node) -> None:
+    # Specs are not fsynced: after a power loss one may be empty or cut short. The reboot's
+    # clean-up removes it like any other spec of the earlier boot, before anything is served.
+    refs = [new_ref("empty"), new_ref("cut-short")]
+    node.allocate(refs[0], "gpu-0")
+    node.allocate(refs[1], "gpu-1")
+    await (await node.started()).prepare(refs)
+    whole = node.specs.path_for(refs[0].uid).read_text()
+    node.specs.path_for(refs[0].uid).write_text("")
+    node.specs.path_for(refs[1].uid).write_text(whole[: len(whole) // 2])
+
+    node.reboot()
+    preparer = await node.started()
+
+    assert node.specs.claim_uids() == set()
+    assert preparer.prepared_claims == 0
+    assert all(devices_of(outcome) for outcome in (await preparer.prepare(refs)).values())
+
+
 async def test_a_full_gpu_prepare_writes_the_checkpoint_once(
     node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -665,3 +684,27 @@ async def test_a_control_node_that_appears_after_start_reaches_new_specs(node: N
 
     assert "/dev/nvidia-uvm" not in control_paths(first)
     assert "/dev/nvidia-uvm" in control_paths(second)
+
+
+async def test_idle_is_heard_only_when_no_claim_operation_runs(node: Node) -> None:
+    fast, slow = new_ref("fast"), new_ref("slow")
+    node.allocate(fast, "gpu-0")
+    node.allocate(slow, "gpu-1")
+    release = asyncio.Event()
+
+    class SlowFetcher:
+        async def get(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+            if name == "slow":
+                await release.wait()
+            return await node.claims.get(namespace, name)
+
+    seen: list[bool] = []
+    preparer = await node.started(SlowFetcher(), on_idle=lambda: seen.append(preparer.busy))
+    slow_pod = asyncio.create_task(preparer.prepare([slow]))
+    await preparer.prepare([fast])
+    assert seen == []  # the slow pod's claim still runs
+    release.set()
+    await slow_pod
+    assert seen == [False]
+    await preparer.unprepare([fast, slow])
+    assert seen == [False, False]
