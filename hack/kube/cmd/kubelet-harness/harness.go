@@ -63,7 +63,7 @@ func run(ctx context.Context, opts options) error {
 	if err != nil {
 		return fmt.Errorf("create DRA manager with --state-dir %s: %w", opts.stateDir, err)
 	}
-	defer draManager.Stop()
+	defer stopDRAManager(draManager)
 
 	informerFactory := informers.NewSharedInformerFactoryWithOptions(client, 0,
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
