@@ -5,9 +5,35 @@ package main
 // interfaces, so one source tree compiles against each release without build tags.
 
 import (
+	"context"
+	"reflect"
+
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/klog/v2"
+	"k8s.io/kubernetes/pkg/kubelet/cm/dra"
 )
+
+// getNodeFunc adapts get to dra.GetNodeFunc, which takes a context from 1.36 and none before (then
+// ctx, the harness's own, is used). The function type is built by reflection because no single Go
+// function value has both types.
+func getNodeFunc(ctx context.Context, get func(context.Context) (*v1.Node, error)) dra.GetNodeFunc {
+	var adapted dra.GetNodeFunc
+	fnType := reflect.TypeOf(adapted)
+	impl := reflect.MakeFunc(fnType, func(args []reflect.Value) []reflect.Value {
+		callCtx := ctx
+		if len(args) == 1 {
+			callCtx = args[0].Interface().(context.Context)
+		}
+		node, err := get(callCtx)
+		errValue := reflect.Zero(fnType.Out(1))
+		if err != nil {
+			errValue = reflect.ValueOf(err)
+		}
+		return []reflect.Value{reflect.ValueOf(node), errValue}
+	})
+	reflect.ValueOf(&adapted).Elem().Set(impl)
+	return adapted
+}
 
 // stopDRAManager stops the manager's background work. Manager.Stop exists from 1.37; before it the
 // manager's goroutines end with the context passed to Start, which run cancels too.
