@@ -5,7 +5,7 @@ PYTHON ?= .venv/bin/python
 HELM = $$(hack/build-kube.sh helm | sed -n 's/^HELM_BIN_DIR=//p')/helm
 CHART = charts/dra-driver-gpu
 
-.PHONY: help venv demo demo-real test lint unit e2e bench bench-go reliability gen gen-check kube-build mock-nvml cluster-up cluster-down cluster-status image deps
+.PHONY: help venv demo demo-real test lint unit e2e bench bench-go reliability gen gen-check kube-build mock-nvml cluster-up cluster-down cluster-status image deps e2e-versions e2e-versions-subset
 
 ## help: list the targets
 help:
@@ -21,7 +21,8 @@ demo: venv kube-build mock-nvml
 	$(PYTHON) hack/demo.py
 
 ## test: everything CI checks: lint, generated-code checks, unit, component, integration and e2e tests
-test: lint gen-check unit e2e
+## (and the e2e subset against each older supported Kubernetes release)
+test: lint gen-check unit e2e e2e-versions-subset
 
 ## lint: ruff, mypy --strict, helm lint --strict (default values and every ci/ values file)
 lint: venv
@@ -40,6 +41,15 @@ unit: venv kube-build mock-nvml
 e2e: venv kube-build mock-nvml image
 	hack/build-kube.sh kubelet containerd >/dev/null
 	$(PYTHON) -m pytest e2e
+
+## e2e-versions: the whole e2e suite (but e2e/real_node) against each older supported Kubernetes release,
+## KUBE_MATRIX_VERSIONS in hack/versions.env; each is built first when missing (~15 minutes per release)
+e2e-versions: venv kube-build mock-nvml
+	hack/e2e-versions.sh
+
+## e2e-versions-subset: the e2e tests marked kube_versions against each of those releases (make test runs it)
+e2e-versions-subset: venv kube-build mock-nvml
+	hack/e2e-versions.sh --subset
 
 ## bench: prepare latency, throughput, start-up and RSS; writes _output/bench.json
 bench: venv kube-build

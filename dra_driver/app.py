@@ -29,6 +29,7 @@ from dra_driver.devices.backends import open_backend
 from dra_driver.devices.driver_root import find_cdi_hook, find_driver_files, parse_capabilities
 from dra_driver.devices.health import FaultKind, HealthSource, NodeFaults, open_health_source
 from dra_driver.devices.types import HealthState, Inventory
+from dra_driver.errors import StartupError
 from dra_driver.http import StatusServer
 from dra_driver.kubelet.health import HealthBoard
 from dra_driver.kubelet.server import KubeletPlugin
@@ -47,9 +48,11 @@ from dra_driver.resources.devices import (
     partition_selected,
 )
 from dra_driver.resources.publisher import SlicePublisher
+from dra_driver.resources.server_rules import NEWEST, ServerRules, rules_for
 from dra_driver.resources.slices import SliceContent, split_pool
 from dra_driver.resources.taints import (
     DeviceHealth,
+    TaintEffect,
     TaintPolicy,
     device_health,
     device_taints,
@@ -92,11 +95,13 @@ def desired_slices(
     inventory: Inventory,
     owned_mig_uuids: Collection[str] = frozenset(),
     taints: Mapping[str, Sequence[DeviceTaint]] | None = None,
+    rules: ServerRules = NEWEST,
 ) -> list[SliceContent]:
     """What the pool should contain for ``inventory``: the one rule shared by daemon and CLI.
 
     ``owned_mig_uuids`` are the MIG devices the driver created for claims; they stay published
     as the placements they were created from. ``taints`` are those of faulty GPUs' devices.
+    ``rules`` are the API server's release's (the slice layout differs on 1.34).
     """
     policy = partition_policy(settings.mig_partitions)
     return split_pool(
@@ -106,8 +111,37 @@ def desired_slices(
             owned_mig_uuids=owned_mig_uuids,
             taints=taints,
             maintenance=settings.maintenance_devices,
-        )
+        ),
+        counters_beside_devices=rules.counters_beside_devices,
     )
+
+
+async def server_rules(api: ApiClient) -> ServerRules:
+    """The API rules of the API server's release (``/version``); the newest when it cannot be read,
+    so an outage at start never stops the node from serving."""
+    try:
+        version = await JsonApi(api).get("/version", request_timeout_s=10)
+        git_version = str((version or {}).get("gitVersion", ""))
+    except Exception as err:
+        log.warning("API server version not readable; assuming the newest API rules", error=str(err))
+        return NEWEST
+    log.info("API server version", version=git_version)
+    return rules_for(git_version)
+
+
+def check_taint_effects(settings: Settings, rules: ServerRules) -> None:
+    """Taint effect None needs 1.35: 1.34 would refuse every slice with such a taint in it."""
+    if rules.taint_effect_none:
+        return
+    for flag, env, effect in (
+        ("--xid-taint-effect", "DRA_XID_TAINT_EFFECT", settings.xid_taint_effect),
+        ("--gpu-lost-taint-effect", "DRA_GPU_LOST_TAINT_EFFECT", settings.gpu_lost_taint_effect),
+    ):
+        if effect is TaintEffect.NONE:
+            raise StartupError(
+                f"{flag} / {env}: the taint effect None needs Kubernetes 1.35 or newer, and this API "
+                "server is older; use NoSchedule or NoExecute"
+            )
 
 
 DMI_PRODUCT_NAME = Path("/sys/class/dmi/id/product_name")
@@ -368,6 +402,8 @@ async def _serve(
     health = HealthBoard()
     policy = taint_policy(settings)
     own_node_uid = await node_uid(api, settings.node_name)
+    rules = await server_rules(api)
+    check_taint_effects(settings, rules)
     publisher = SlicePublisher(
         api,
         driver=settings.driver_name,
@@ -381,7 +417,7 @@ async def _serve(
         if labeller is not None:
             labeller.set_desired(node_labels(settings, latest, gpu_health.faults))
         taints = device_taints(latest, gpu_health.tainted, policy)
-        slices = desired_slices(settings, latest, preparer.owned_mig_uuids(), taints)
+        slices = desired_slices(settings, latest, preparer.owned_mig_uuids(), taints, rules)
         publisher.set_desired(slices)
         names = [d["name"] for s in slices for d in s.devices]
         health.set_devices(settings.node_name, names)

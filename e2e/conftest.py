@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import uuid
 from collections.abc import Generator, Iterator, Mapping
 from pathlib import Path
@@ -42,6 +43,11 @@ def _output_shown(config: pytest.Config) -> Iterator[None]:
         return
     with capture.global_and_fixture_disabled():
         yield
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which Kubernetes the run is against: KUBE_VERSION selects a release (hack/e2e-versions.sh)."""
+    return f"kubernetes: {os.environ.get('KUBE_VERSION') or 'the release pinned in hack/versions.env'}"
 
 
 @pytest.fixture(scope="session")

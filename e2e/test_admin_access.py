@@ -15,6 +15,7 @@ import yaml
 from e2e import manifests
 from e2e.claims import claim_of, gpu_uuid, pod_using, run_on_gpu, wait_unschedulable
 from e2e.cluster import ApiError, ClusterInfo, JsonObject, RestClient
+from e2e.cluster.features import device_taint_rule_version
 from e2e.daemon import wait_until
 from e2e.driver import DRIVER_NAME
 from e2e.gpu_node import GpuNode
@@ -34,10 +35,20 @@ MAINTENANCE = EXAMPLES / "maintenance"
 # What the examples name, and the tests replace with their node's, GPU's and namespace's.
 EXAMPLE_NODE, EXAMPLE_DEVICE, EXAMPLE_NAMESPACE = "gpu-node-1", "gpu-3", "gpu-maintenance"
 EXAMPLE_UUID = "GPU-5ecb8a9e-0000-0000-0000-000000000003"
-TAINT_RULES = "/apis/resource.k8s.io/v1/devicetaintrules"
 MIG_CLASS = "mig.dra-driver.dev"
 
 Example = Callable[..., list[JsonObject]]
+
+
+@pytest.fixture(scope="module")
+def taint_rule_version(cluster: ClusterInfo) -> str:
+    """Where this release serves DeviceTaintRule (the examples say v1, as 1.37 does)."""
+    return device_taint_rule_version(cluster.kube_version)
+
+
+@pytest.fixture(scope="module")
+def taint_rules_collection(taint_rule_version: str) -> str:
+    return f"/apis/resource.k8s.io/{taint_rule_version}/devicetaintrules"
 
 
 @pytest.fixture(scope="module")
@@ -75,26 +86,31 @@ def admin_namespace(rest: RestClient, node: GpuNode) -> Iterator[str]:
 
 
 @pytest.fixture
-def example(node: GpuNode, admin_namespace: str) -> Example:
-    """`example(file, device=..., uuid=...)`: a maintenance example for this node, GPU and namespace."""
+def example(node: GpuNode, admin_namespace: str, taint_rule_version: str) -> Example:
+    """`example(file, device=..., uuid=...)`: a maintenance example for this node, GPU and namespace
+    (a DeviceTaintRule in the version this release serves, as docs/maintenance.md tells users)."""
 
     def load(file: str, *, device: str = EXAMPLE_DEVICE, uuid: str = EXAMPLE_UUID) -> list[JsonObject]:
         text = (MAINTENANCE / file).read_text()
         text = text.replace(EXAMPLE_NODE, node.name).replace(EXAMPLE_NAMESPACE, admin_namespace)
         text = text.replace(EXAMPLE_UUID, uuid).replace(EXAMPLE_DEVICE, device)
-        return [document for document in yaml.safe_load_all(text) if document]
+        documents = [document for document in yaml.safe_load_all(text) if document]
+        for document in documents:
+            if document["kind"] == "DeviceTaintRule":
+                document["apiVersion"] = f"resource.k8s.io/{taint_rule_version}"
+        return documents
 
     return load
 
 
 @pytest.fixture
-def taint_rules(rest: RestClient) -> Iterator[list[str]]:
+def taint_rules(rest: RestClient, taint_rules_collection: str) -> Iterator[list[str]]:
     """Names of DeviceTaintRules the test created; whatever is left of them is deleted afterwards."""
     created: list[str] = []
     yield created
     for name in created:
         try:
-            rest.delete(f"{TAINT_RULES}/{name}")
+            rest.delete(f"{taint_rules_collection}/{name}")
         except ApiError as error:
             if error.status != 404:
                 raise
@@ -104,7 +120,8 @@ def create_all(rest: RestClient, objects: list[JsonObject]) -> None:
     for obj in objects:
         namespace = obj["metadata"].get("namespace")
         if obj["kind"] == "DeviceTaintRule":
-            rest.create(TAINT_RULES, obj)
+            version = obj["apiVersion"].removeprefix("resource.k8s.io/")
+            rest.create(f"/apis/resource.k8s.io/{version}/devicetaintrules", obj)
         else:
             rest.create(collection(obj["kind"], namespace), obj)
 
@@ -117,6 +134,7 @@ def spec_env(node: GpuNode, claim: JsonObject, device: str) -> list[str]:
     return env
 
 
+@pytest.mark.kube_versions
 def test_a_cordoned_gpu_is_diagnosed_while_its_workload_runs_and_takes_new_work_once_lifted(
     rest: RestClient,
     node: GpuNode,
@@ -124,6 +142,7 @@ def test_a_cordoned_gpu_is_diagnosed_while_its_workload_runs_and_takes_new_work_
     admin_namespace: str,
     example: Example,
     taint_rules: list[str],
+    taint_rules_collection: str,
 ) -> None:
     # GPU 3 offers no MIG partitions: the Kubernetes 1.37 scheduler counts an admin-access claim
     # against a partitionable GPU's counters, which its workload holds (kubernetes/kubernetes#140729).
@@ -164,7 +183,7 @@ def test_a_cordoned_gpu_is_diagnosed_while_its_workload_runs_and_takes_new_work_
     assert not claim_of(rest, namespace, "newcomer").get("status", {}).get("allocation")
 
     # 5. Lift the cordon.
-    rest.delete(f"{TAINT_RULES}/{rule['metadata']['name']}")
+    rest.delete(f"{taint_rules_collection}/{rule['metadata']['name']}")
     newcomer = wait_running(rest, namespace, "newcomer")
     assert allocated_devices(pod_claim(rest, newcomer, "gpu")) == ["gpu-3"]
 

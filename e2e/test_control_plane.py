@@ -32,6 +32,7 @@ from e2e.cluster import (
     processes,
 )
 from e2e.cluster.binaries import REPO_ROOT
+from e2e.cluster.features import device_taint_rule_version
 
 pytestmark = pytest.mark.cluster
 
@@ -109,6 +110,7 @@ def is_subset(sent: Any, stored: Any) -> bool:
 # --- the API server -----------------------------------------------------------------------------------
 
 
+@pytest.mark.kube_versions
 def test_api_server_reports_the_pinned_version(cluster: ClusterInfo) -> None:
     request = urllib.request.Request(f"{cluster.server}/version")
     with urllib.request.urlopen(request, context=_tls(cluster), timeout=10) as response:
@@ -117,6 +119,7 @@ def test_api_server_reports_the_pinned_version(cluster: ClusterInfo) -> None:
     assert cluster.kube_version.startswith("v1.")
 
 
+@pytest.mark.kube_versions
 def test_resource_api_is_served_in_v1_and_the_older_versions(rest: RestClient, cluster: ClusterInfo) -> None:
     group = rest.get("/apis/resource.k8s.io")
     assert {"v1", "v1beta1", "v1beta2"} <= {v["version"] for v in group["versions"]}
@@ -292,6 +295,7 @@ def test_slice_breaking_an_api_limit_is_rejected_by_the_api_server(
     ]
 
 
+@pytest.mark.kube_versions
 def test_fields_of_the_enabled_dra_features_are_stored(
     rest: RestClient, namespace: str, cluster_objects: list[str]
 ) -> None:
@@ -368,6 +372,7 @@ def test_fields_of_the_enabled_claim_features_are_stored(rest: RestClient, names
     assert is_subset(spec, stored["spec"]), json.dumps(stored["spec"])
 
 
+@pytest.mark.kube_versions
 def test_device_taint_rule_is_accepted(rest: RestClient, cluster: ClusterInfo, namespace: str) -> None:
     version = _taint_rule_version(cluster)
     rule = {
@@ -509,9 +514,7 @@ def _tls(cluster: ClusterInfo) -> ssl.SSLContext:
 
 
 def _taint_rule_version(cluster: ClusterInfo) -> str:
-    """Where DeviceTaintRule is served: v1 from 1.37, v1beta2 in 1.36, v1alpha3 before."""
-    minor = int(cluster.kube_version.removeprefix("v").split(".")[1])
-    return "v1" if minor >= 37 else "v1beta2" if minor == 36 else "v1alpha3"
+    return device_taint_rule_version(cluster.kube_version)
 
 
 def _wait_for_line(process: subprocess.Popen[str], marker: str, timeout_seconds: float) -> None:

@@ -18,10 +18,11 @@ from dra_driver.app import desired_slices
 from dra_driver.devices.sim_nodes import NODE_PROFILES
 from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.resources.pool import PoolOwner, dropped_fields, plan_pool
+from dra_driver.resources.server_rules import rules_for
 from dra_driver.resources.wire import ResourceSlice
 from dra_driver.settings import Settings
 from e2e import manifests
-from e2e.cluster import FakeNodeFactory, JsonObject, RestClient
+from e2e.cluster import ClusterInfo, FakeNodeFactory, JsonObject, RestClient
 from e2e.driver import DRIVER_NAME
 from e2e.gpu_node import SLICES, node_slices_query, published_devices
 from e2e.manifests import collection
@@ -32,8 +33,11 @@ _ATTRIBUTES = f'device.attributes["{DRIVER_NAME}"]'
 _CAPACITY = f'device.capacity["{DRIVER_NAME}"]'
 
 
-def pool_slices(profile: str, node_name: str, mig_partitions: str, data_dir: Path) -> list[ResourceSlice]:
-    """What the daemon would publish for a fresh simulated node, as `dra-driver inventory` prints it."""
+def pool_slices(
+    profile: str, node_name: str, mig_partitions: str, data_dir: Path, kube_version: str
+) -> list[ResourceSlice]:
+    """What the daemon would publish for a fresh simulated node to an API server of `kube_version`
+    (the slice layout differs on 1.34, see dra_driver.resources.server_rules)."""
     backend = SimulatedBackend(profile, node_name, data_dir)
     try:
         inventory = backend.inventory()
@@ -41,7 +45,8 @@ def pool_slices(profile: str, node_name: str, mig_partitions: str, data_dir: Pat
         backend.close()
     settings = Settings(node_name=node_name, mig_partitions=mig_partitions)
     owner = PoolOwner(driver=settings.driver_name, node_name=node_name)
-    return list(plan_pool(desired_slices(settings, inventory), [], owner=owner).apply)
+    rules = rules_for(kube_version)
+    return list(plan_pool(desired_slices(settings, inventory, rules=rules), [], owner=owner).apply)
 
 
 def apply_slice(rest: RestClient, manifest: ResourceSlice) -> JsonObject:
@@ -58,13 +63,14 @@ def delete_pool(rest: RestClient, node_name: str) -> None:
     rest.request("DELETE", SLICES, query=node_slices_query(node_name))
 
 
+@pytest.mark.kube_versions
 @pytest.mark.parametrize("mig_partitions", ["none", "all"])
 @pytest.mark.parametrize("profile", sorted(NODE_PROFILES))
 def test_every_simulated_node_publishes_slices_the_api_server_stores_unchanged(
-    rest: RestClient, tmp_path: Path, profile: str, mig_partitions: str
+    rest: RestClient, cluster: ClusterInfo, tmp_path: Path, profile: str, mig_partitions: str
 ) -> None:
     node_name = f"accept-{profile}-mig-{mig_partitions}"
-    slices = pool_slices(profile, node_name, mig_partitions, tmp_path)
+    slices = pool_slices(profile, node_name, mig_partitions, tmp_path, cluster.kube_version)
     try:
         for manifest in slices:
             stored = apply_slice(rest, manifest)
@@ -84,6 +90,7 @@ MixedNode = tuple[str, dict[str, JsonObject]]  # node name, published devices by
 @pytest.fixture
 def mixed_node(
     rest: RestClient,
+    cluster: ClusterInfo,
     fake_node: FakeNodeFactory,
     gpu_device_class: str,
     tmp_path: Path,
@@ -91,7 +98,7 @@ def mixed_node(
     """A node without a kubelet whose pool the tests publish by hand (MIG partitions on)."""
     name = f"mixed-{uuid.uuid4().hex[:8]}"
     fake_node(name)
-    for manifest in pool_slices("mixed", name, "all", tmp_path):
+    for manifest in pool_slices("mixed", name, "all", tmp_path, cluster.kube_version):
         apply_slice(rest, manifest)
     try:
         yield name, published_devices(rest, name)
@@ -221,6 +228,7 @@ def test_scheduler_allocates_a_device_that_satisfies_the_selector(
     assert allocated_device(rest, namespace, "gpu", node_name) in satisfying
 
 
+@pytest.mark.kube_versions
 def test_documented_h100_selector_gets_an_h100(
     rest: RestClient, namespace: str, mixed_node: MixedNode
 ) -> None:
@@ -244,6 +252,7 @@ def test_a_selector_that_nothing_satisfies_leaves_the_claim_unallocated_and_the_
     assert not allocation(rest, namespace, "b200")
 
 
+@pytest.mark.kube_versions
 def test_a_gpu_in_use_whole_offers_no_mig_partition_while_another_gpu_does(
     rest: RestClient, namespace: str, mixed_node: MixedNode, gpu_device_class: str, mig_device_class: str
 ) -> None:

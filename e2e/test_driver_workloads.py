@@ -31,6 +31,7 @@ def apply_example(rest: RestClient, node: GpuNode, namespace: str, path: str) ->
     manifests.apply_example(rest, manifests.EXAMPLES / path, namespace, node_name=node.name)
 
 
+@pytest.mark.kube_versions
 def test_pod_with_one_gpu_gets_the_allocated_gpu_and_releases_it_when_deleted(
     rest: RestClient, node: GpuNode, namespace: str
 ) -> None:
@@ -78,6 +79,7 @@ def test_a_shared_claim_gives_both_pods_the_same_gpu_until_the_last_one_is_gone(
     assert not node.driver.spec_path(claim["metadata"]["uid"]).exists()
 
 
+@pytest.mark.kube_versions
 def test_time_sliced_gpu_is_shared_by_two_containers_and_announced_to_them(
     rest: RestClient, node: GpuNode, namespace: str
 ) -> None:

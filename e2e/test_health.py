@@ -233,6 +233,7 @@ def slice_writes(node: GpuNode, since: int) -> int:
 # --- the tests -----------------------------------------------------------------------------------
 
 
+@pytest.mark.kube_versions
 def test_an_xid_taints_the_gpu_and_its_partitions_and_only_tolerating_claims_get_it_until_it_recovers(
     rest: RestClient, node: GpuNode, namespace: str
 ) -> None:

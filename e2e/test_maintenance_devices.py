@@ -140,6 +140,7 @@ def run(rest: RestClient, node: GpuNode, namespace: str, claim: JsonObject) -> N
     manifests.apply(rest, manifests.pinned([claim, pod_using(name, name)], node.name), namespace)
 
 
+@pytest.mark.kube_versions
 def test_admin_access_reaches_a_gpu_whose_mig_device_a_workload_holds(
     rest: RestClient, node: GpuNode, namespace: str, admin_namespace: str
 ) -> None:

@@ -211,9 +211,18 @@ trap 'exit 143' TERM
 build_program() {
   local name=$1 bin_dir=$2 stamp=$3 module_dir=$4 package=$5 ldflags=$6 tags=${7:-}
   is_fresh "$name" "$bin_dir" "$stamp" && return
+  # etcd and helm are shared by every KUBE_VERSION, whose builds may run at once: one builds, the
+  # other finds the binary fresh once the lock is free.
+  mkdir -p "$bin_dir"
+  local binary_lock
+  exec {binary_lock}>"$bin_dir/.$name.lock"
+  flock "$binary_lock"
+  if is_fresh "$name" "$bin_dir" "$stamp"; then
+    exec {binary_lock}>&-
+    return
+  fi
   require_go
   download_dependencies "$module_dir"
-  mkdir -p "$bin_dir"
   log "==> building $name ($package) into $bin_dir"
   local started=$SECONDS next_report=$((SECONDS + HEARTBEAT_SECONDS))
   PARTIAL_BINARY="$bin_dir/.$name.partial"
@@ -233,6 +242,7 @@ build_program() {
   mv -f "$PARTIAL_BINARY" "$bin_dir/$name"
   PARTIAL_BINARY=
   printf '%s\n' "$stamp" >"$bin_dir/.$name.stamp"
+  exec {binary_lock}>&-
   log "    built $name in $(elapsed_since "$started")"
 }
 
@@ -384,9 +394,11 @@ update_wrappers() {
 
 main() {
   mkdir -p "$DRA_CACHE_DIR"
-  # One build at a time per cache: the tests, make and the demo may all ask at once.
+  # One build at a time per cache and Kubernetes release: the tests, make and the demo may all ask
+  # at once, and a test run against one release need not wait for another release's build
+  # (hack/e2e-versions.sh). Binaries shared between releases have a lock of their own (build_program).
   local lock_fd
-  exec {lock_fd}>"$DRA_CACHE_DIR/.build.lock"
+  exec {lock_fd}>"$DRA_CACHE_DIR/.build-$KUBE_VERSION.lock"
   if ! flock -n "$lock_fd"; then
     log "waiting for another hack/build-kube.sh using $DRA_CACHE_DIR to finish"
     flock "$lock_fd"

@@ -501,3 +501,73 @@ def test_the_compute_domain_drivers_socket_directory_is_the_hosts(helm: Path) ->
         assert mounts["compute-domain-plugin-dir"] == directory
     spec = pod_spec(render(helm, {"computeDomains": False}))
     assert "compute-domain-plugin-dir" not in {v["name"] for v in spec["volumes"]}
+
+
+# --- featureGates -------------------------------------------------------------------------------------
+
+# The chart's own gates, each named after the value (and so the setting) it switches.
+GATED_VALUES = {
+    "ComputeDomains": "computeDomains",
+    "MaintenanceDevices": "maintenanceDevices",
+    "NodeLabels": "nodeLabels",
+}
+# NVIDIA's gates for what this driver always does: true is accepted, false refused.
+ALWAYS_ON = ("TimeSlicingSettings", "MPSSupport", "NVMLDeviceHealthCheck")
+
+
+def test_feature_gates_are_named_after_settings_or_are_nvidias() -> None:
+    gates = set(LEAVES["featureGates"]["propertyNames"]["enum"])
+    assert gates == {*GATED_VALUES, "DynamicMIG", *ALWAYS_ON, "PassthroughSupport"}
+    for gate, value in GATED_VALUES.items():
+        assert gate == value[0].upper() + value[1:]
+        assert value in SETTING_OF_VALUE, f"{gate} switches {value}, which is no setting of the daemon"
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize(("gate", "value"), GATED_VALUES.items())
+def test_a_feature_gate_does_what_its_value_does_and_wins_over_it(
+    helm: Path, gate: str, value: str, enabled: bool
+) -> None:
+    by_gate = render(helm, {value: not enabled, "featureGates": {gate: enabled}})
+
+    assert by_gate == render(helm, {value: enabled})
+    assert plugin_env(by_gate)[env_name(SETTING_OF_VALUE[value])]["value"] == str(enabled).lower()
+
+
+@pytest.mark.parametrize(
+    ("values", "mig_partitions"),
+    [
+        ({"featureGates": {"DynamicMIG": False}}, "none"),
+        ({"migPartitions": "none", "featureGates": {"DynamicMIG": True}}, "all"),
+        ({"migPartitions": "0,1", "featureGates": {"DynamicMIG": True}}, "0,1"),
+    ],
+)
+def test_nvidias_dynamic_mig_gate_sets_mig_partitions(
+    helm: Path, values: dict[str, Any], mig_partitions: str
+) -> None:
+    by_gate = render(helm, values)
+
+    assert plugin_env(by_gate)["DRA_MIG_PARTITIONS"]["value"] == mig_partitions
+    assert by_gate == render(helm, {"migPartitions": mig_partitions})
+
+
+def test_nvidias_gates_for_what_the_driver_always_does_are_accepted(helm: Path) -> None:
+    gates = {**dict.fromkeys(ALWAYS_ON, True), "PassthroughSupport": False}
+    assert render(helm, {"featureGates": gates}) == render(helm)
+
+
+@pytest.mark.parametrize("gate", ALWAYS_ON)
+def test_switching_off_what_the_driver_always_does_is_refused_with_the_reason(helm: Path, gate: str) -> None:
+    error = render_error(helm, {"featureGates": {gate: False}})
+    assert f"featureGates.{gate}=false: this driver always serves" in error
+
+
+def test_passthrough_is_refused_with_the_reason(helm: Path) -> None:
+    error = render_error(helm, {"featureGates": {"PassthroughSupport": True}})
+    assert "featureGates.PassthroughSupport=true: VFIO passthrough is not supported" in error
+
+
+def test_an_unknown_feature_gate_is_refused(helm: Path) -> None:
+    error = render_error(helm, {"featureGates": {"ComputeDomainCliques": True}})
+    assert "invalid propertyName 'ComputeDomainCliques'" in error
+    assert "value must be one of 'ComputeDomains', 'MaintenanceDevices', 'NodeLabels'" in error

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from decimal import Decimal
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
@@ -68,3 +68,18 @@ def describe_errors(error: ValidationError) -> str:
     return "; ".join(
         f"{'.'.join(str(part) for part in e['loc']) or '(object)'}: {e['msg']}" for e in error.errors()
     )
+
+
+def only_with_strategy(*settings: tuple[str, str]) -> dict[str, Any]:
+    """JSON schema saying that each ``(field, strategy)``'s field may be set (not null) only when
+    ``strategy`` is the sharing strategy: the schema form of a model validator, which pydantic cannot
+    derive, for a model's ``json_schema_extra``."""
+    return {
+        "allOf": [
+            {
+                "if": {"required": [field], "properties": {field: {"not": {"type": "null"}}}},
+                "then": {"properties": {"strategy": {"const": strategy}}},
+            }
+            for field, strategy in settings
+        ]
+    }

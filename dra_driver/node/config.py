@@ -46,7 +46,7 @@ from pydantic import ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from dra_driver.node import nvidia_config
-from dra_driver.node.api_base import ApiObject, MemoryQuantity, describe_errors
+from dra_driver.node.api_base import ApiObject, MemoryQuantity, describe_errors, only_with_strategy
 from dra_driver.node.claims import AllocationResult, ConfigSource, OpaqueConfig
 
 API_VERSION: Final = "resource.dra-driver.dev/v1alpha1"
@@ -71,22 +71,9 @@ class Mps(ApiObject):
     )
 
 
-def _only_with_strategy(*settings: tuple[str, str]) -> dict[str, Any]:
-    """The schema form of :func:`_check_settings`: ``field`` may appear only with ``strategy``."""
-    return {
-        "allOf": [
-            {
-                "if": {"required": [field], "properties": {field: {"not": {"type": "null"}}}},
-                "then": {"properties": {"strategy": {"const": strategy}}},
-            }
-            for field, strategy in settings
-        ]
-    }
-
-
 class GpuSharing(ApiObject):
     model_config = ConfigDict(
-        json_schema_extra=_only_with_strategy(("timeSlicing", "TimeSlicing"), ("mps", "MPS"))
+        json_schema_extra=only_with_strategy(("timeSlicing", "TimeSlicing"), ("mps", "MPS"))
     )
 
     strategy: Literal["Exclusive", "TimeSlicing", "MPS"] = Field(
@@ -104,7 +91,7 @@ class GpuSharing(ApiObject):
 
 
 class MigSharing(ApiObject):
-    model_config = ConfigDict(json_schema_extra=_only_with_strategy(("mps", "MPS")))
+    model_config = ConfigDict(json_schema_extra=only_with_strategy(("mps", "MPS")))
 
     strategy: Literal["Exclusive", "TimeSlicing", "MPS"] = Field(
         description="Exclusive: no sharing settings. TimeSlicing (the fixed MIG time slice) or MPS."
@@ -238,12 +225,17 @@ def _applies(entry: OpaqueConfig, result: AllocationResult) -> bool:
 
 
 def json_schemas() -> dict[str, dict[str, Any]]:
-    """The JSON schema of every kind, by file name under ``api/config/``."""
+    """The JSON schema of every kind served, by file name under ``api/config/``: the driver's own
+    (``v1alpha1/<Kind>.json``) and NVIDIA's (``resource.nvidia.com/v1beta1/<Kind>.json``)."""
+    id_prefix = f"https://{CONFIG_GROUP}/schemas"
     return {
-        f"{CONFIG_VERSION}/{kind}.json": {
-            "$schema": "https://json-schema.org/draft/2020-12/schema",
-            "$id": f"https://{CONFIG_GROUP}/schemas/{CONFIG_VERSION}/{kind}.json",
-            **model.model_json_schema(by_alias=True),
-        }
-        for kind, model in _KINDS.items()
+        **{
+            f"{CONFIG_VERSION}/{kind}.json": {
+                "$schema": "https://json-schema.org/draft/2020-12/schema",
+                "$id": f"{id_prefix}/{CONFIG_VERSION}/{kind}.json",
+                **model.model_json_schema(by_alias=True),
+            }
+            for kind, model in _KINDS.items()
+        },
+        **nvidia_config.json_schemas(id_prefix),
     }

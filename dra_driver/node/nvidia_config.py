@@ -44,10 +44,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-from dra_driver.node.api_base import ApiObject, MemoryQuantity, describe_errors
+from dra_driver.node.api_base import ApiObject, MemoryQuantity, describe_errors, only_with_strategy
 
 NVIDIA_API_VERSION: Final = "resource.nvidia.com/v1beta1"
 NVIDIA_DRIVER_NAME: Final = "gpu.nvidia.com"
@@ -76,6 +76,10 @@ def _not_with(field_name: str, value: object, strategy: str) -> None:
 
 
 class GpuSharing(ApiObject):
+    model_config = ConfigDict(
+        json_schema_extra=only_with_strategy(("timeSlicingConfig", "TimeSlicing"), ("mpsConfig", "MPS"))
+    )
+
     strategy: Literal["TimeSlicing", "MPS"] = Field(
         description="NVIDIA's API has no Exclusive strategy: leave sharing out for no sharing."
     )
@@ -92,6 +96,9 @@ class GpuSharing(ApiObject):
 
 
 class MigDeviceSharing(ApiObject):
+    # NVIDIA's MIG sharing has no timeSlicingConfig (a MIG device's time slice is fixed).
+    model_config = ConfigDict(json_schema_extra=only_with_strategy(("mpsConfig", "MPS")))
+
     strategy: Literal["TimeSlicing", "MPS"]
     mps_config: MpsConfig | None = None
 
@@ -127,6 +134,20 @@ UNSUPPORTED_KINDS: Final[Mapping[str, str]] = {
     "ComputeDomainDaemonConfig": "ComputeDomains (IMEX daemons) are served by NVIDIA's "
     "compute-domain.nvidia.com driver, not by this GPU driver",
 }
+
+
+def json_schemas(id_prefix: str) -> dict[str, dict[str, Any]]:
+    """The JSON schema of each kind this driver serves, by file name under ``api/config/``
+    (``resource.nvidia.com/v1beta1/<Kind>.json``); ``$id`` starts with ``id_prefix``: the schemas
+    are this driver's reading of NVIDIA's API, not NVIDIA's own."""
+    return {
+        f"{NVIDIA_API_VERSION}/{kind}.json": {
+            "$schema": "https://json-schema.org/draft/2020-12/schema",
+            "$id": f"{id_prefix}/{NVIDIA_API_VERSION}/{kind}.json",
+            **model.model_json_schema(by_alias=True),
+        }
+        for kind, model in _KINDS.items()
+    }
 
 
 @dataclass(frozen=True)

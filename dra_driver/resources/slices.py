@@ -5,6 +5,11 @@ at most 128 devices, or 64 once any of them has taints or consumes counters; at 
 counter sets of at most 32 counters each. A pool may hold any number of slices, so a node
 with more than 8 partitioned GPUs simply gets several counter slices.
 
+Kubernetes 1.34 (``counters_beside_devices``, see :mod:`dra_driver.resources.server_rules`):
+a device consumes counters only from its own slice, which holds at most 32 counters over all
+its sets and 128 devices; so each partitioned GPU gets one slice with its counter set and all
+of its devices.
+
 Devices of one GPU stay in one slice whenever they fit in one, so a reader (or a golden
 file) finds a GPU's full device and its partitions side by side; the order is fully
 determined by the input, so an unchanged inventory gives unchanged slices and no API writes.
@@ -26,14 +31,16 @@ MAX_COUNTERS_PER_SET = 32
 
 @dataclass(frozen=True)
 class SliceContent:
-    """What one ResourceSlice carries: devices, or shared counter sets (never both)."""
+    """What one ResourceSlice carries: devices, or shared counter sets (both only for 1.34)."""
 
     devices: tuple[Device, ...] = ()
     shared_counters: tuple[CounterSet, ...] = ()
 
 
-def split_pool(gpus: Sequence[GpuDevices]) -> list[SliceContent]:
-    """The slices for a node's pool: counter slices first, then device slices.
+def split_pool(gpus: Sequence[GpuDevices], *, counters_beside_devices: bool = False) -> list[SliceContent]:
+    """The slices for a node's pool: counter slices first, then device slices (with
+    ``counters_beside_devices``, for 1.34: one slice per partitioned GPU holding both, then the
+    other GPUs' devices).
 
     A node without devices still gets one empty slice, so that consumers see the pool and
     know the driver runs there and has nothing to offer.
@@ -45,6 +52,14 @@ def split_pool(gpus: Sequence[GpuDevices]) -> list[SliceContent]:
                 f"counter set {counter_set['name']} has {len(counter_set['counters'])} counters; "
                 f"the API allows at most {MAX_COUNTERS_PER_SET}: disable MIG partitions for this GPU"
             )
+    if counters_beside_devices:
+        partitioned = [
+            SliceContent(devices=tuple(gpu.devices), shared_counters=(gpu.counter_set,))
+            for gpu in gpus
+            if gpu.counter_set is not None
+        ]
+        whole = _pack_devices([gpu.devices for gpu in gpus if gpu.counter_set is None and gpu.devices])
+        return partitioned + whole or [SliceContent()]
     counter_slices = [
         SliceContent(shared_counters=tuple(counter_sets[i : i + MAX_COUNTER_SETS_PER_SLICE]))
         for i in range(0, len(counter_sets), MAX_COUNTER_SETS_PER_SLICE)
@@ -64,7 +79,7 @@ def slice_spec(
     }
     if content.shared_counters:
         spec["sharedCounters"] = list(content.shared_counters)
-    else:
+    if content.devices or not content.shared_counters:
         spec["devices"] = list(content.devices)
     return spec
 

@@ -46,10 +46,20 @@ def feature_gates_flag(settable: frozenset[str]) -> str:
     return ",".join(f"{gate}=true" for gate in WANTED_GATES if gate in settable)
 
 
+def kube_minor(kube_version: str) -> int:
+    """The minor release of a Kubernetes version: "v1.36.3" -> 36."""
+    return int(kube_version.removeprefix("v").split(".")[1])
+
+
+def device_taint_rule_version(kube_version: str) -> str:
+    """The resource.k8s.io version DeviceTaintRule is served in: v1alpha3 before 1.36, v1beta2 in 1.36,
+    v1 from 1.37 (a manifest written for v1 needs its apiVersion changed on older releases)."""
+    minor = kube_minor(kube_version)
+    return "v1" if minor >= 37 else "v1beta2" if minor == 36 else "v1alpha3"
+
+
 def runtime_config_flag(kube_version: str) -> str:
     """The --runtime-config value that serves resource.k8s.io/v1 (on by default) and the older versions
-    clients may still use, plus the version DeviceTaintRule lives in: v1alpha3 before 1.36, v1beta2 in
-    1.36, v1 from 1.37."""
-    minor = int(kube_version.removeprefix("v").split(".")[1])
-    versions = ["v1beta1", "v1beta2"] + (["v1alpha3"] if minor < 36 else [])
+    clients may still use, plus the version DeviceTaintRule lives in (device_taint_rule_version)."""
+    versions = ["v1beta1", "v1beta2"] + (["v1alpha3"] if kube_minor(kube_version) < 36 else [])
     return ",".join(f"resource.k8s.io/{version}=true" for version in versions)

@@ -280,7 +280,12 @@ def schema_for(kind: str) -> dict[str, Any]:
 @pytest.mark.parametrize("kind", ["GpuConfig", "MigDeviceConfig"])
 def test_schema_is_valid_json_schema(kind: str) -> None:
     jsonschema.Draft202012Validator.check_schema(schema_for(kind))
-    assert set(json_schemas()) == {"v1alpha1/GpuConfig.json", "v1alpha1/MigDeviceConfig.json"}
+    assert set(json_schemas()) == {
+        "v1alpha1/GpuConfig.json",
+        "v1alpha1/MigDeviceConfig.json",
+        "resource.nvidia.com/v1beta1/GpuConfig.json",
+        "resource.nvidia.com/v1beta1/MigDeviceConfig.json",
+    }
 
 
 sharing_values = st.fixed_dictionaries(

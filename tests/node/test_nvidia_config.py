@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dra_driver.node.claims import ClaimRejected, ConfigSource, OpaqueConfig
 from dra_driver.node.config import ConfigError, GpuConfig, MigDeviceConfig, config_json, decode_config
@@ -203,3 +208,67 @@ def test_our_own_api_and_nvidias_sit_side_by_side(node: Node) -> None:
     )
 
     assert [d.config.sharing.strategy for d in planned.devices] == ["MPS", "TimeSlicing"]
+
+
+# --- the generated JSON schema of NVIDIA's kinds (api/config/resource.nvidia.com/v1beta1) ----------
+
+SCHEMA_DIR = Path(__file__).resolve().parents[2] / "api" / "config" / "resource.nvidia.com" / "v1beta1"
+
+
+def nvidia_schema(kind: str) -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads((SCHEMA_DIR / f"{kind}.json").read_text())
+    return loaded
+
+
+@pytest.mark.parametrize("kind", ["GpuConfig", "MigDeviceConfig"])
+def test_nvidia_schema_is_valid_json_schema_and_refuses_a_misspelt_field(kind: str) -> None:
+    schema = nvidia_schema(kind)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    assert validator.is_valid(nvidia(kind, sharing={"strategy": "MPS", "mpsConfig": {}}))
+    # Our own API's spelling is a mistake in NVIDIA's.
+    assert not validator.is_valid(nvidia(kind, sharing={"strategy": "MPS", "mps": {}}))
+
+
+memory_limits = st.sampled_from(["10Gi", "1.5Mi", "big", "3"])
+nvidia_sharing_values = st.fixed_dictionaries(
+    {"strategy": st.sampled_from(["TimeSlicing", "MPS", "Exclusive"])},
+    optional={
+        "timeSlicingConfig": st.one_of(
+            st.none(),
+            st.fixed_dictionaries({}, optional={"interval": st.sampled_from(["Default", "Long", "x"])}),
+        ),
+        "mpsConfig": st.one_of(
+            st.none(),
+            st.fixed_dictionaries(
+                {},
+                optional={
+                    "defaultActiveThreadPercentage": st.integers(-5, 105),
+                    "defaultPinnedDeviceMemoryLimit": memory_limits,
+                    "defaultPerDevicePinnedMemoryLimit": st.dictionaries(
+                        st.sampled_from(["0", "GPU-1"]), memory_limits, max_size=2
+                    ),
+                },
+            ),
+        ),
+        "timeSlicing": st.just({}),
+    },
+)
+
+
+@given(
+    kind=st.sampled_from(["GpuConfig", "MigDeviceConfig"]),
+    sharing=st.one_of(st.none(), nvidia_sharing_values),
+)
+def test_nvidia_schema_agrees_with_the_driver(kind: str, sharing: dict[str, Any] | None) -> None:
+    """What the driver accepts in NVIDIA's API the schema accepts, and the reverse."""
+    parameters = nvidia(kind, sharing=sharing)
+    try:
+        decode(parameters)
+        accepted = True
+    except ConfigError:
+        accepted = False
+
+    valid = jsonschema.Draft202012Validator(nvidia_schema(kind)).is_valid(parameters)
+
+    assert accepted == valid, parameters

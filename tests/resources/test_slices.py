@@ -178,3 +178,46 @@ def test_a_gpu_whose_devices_fit_one_slice_is_never_split(node: Inventory) -> No
     }
     for gpu in gpus:
         assert len({slice_of[device["name"]] for device in gpu.devices}) <= 1
+
+
+# --- Kubernetes 1.34: a device consumes counters only from its own slice ------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(node=inventories(), partition=partition_policies, data=st.data())
+def test_on_1_34_every_device_finds_its_counters_in_its_own_slice_within_1_34s_limits(
+    node: Inventory, partition: PartitionPolicy, data: st.DataObject
+) -> None:
+    names_to_taint = data.draw(st.sets(st.sampled_from([f"gpu-{gpu.minor}" for gpu in node.gpus])))
+    taint: DeviceTaint = {"key": "gpu.dra-driver.dev/xid", "value": "48", "effect": "NoSchedule"}
+    gpus = build_devices(node, partition=partition, taints={name: [taint] for name in names_to_taint})
+
+    specs = slice_specs(
+        split_pool(gpus, counters_beside_devices=True), driver=DRIVER, node_name=NODE, generation=1
+    )
+
+    published = [device for spec in specs for device in spec.get("devices", [])]
+    assert sorted(d["name"] for d in published) == sorted(d["name"] for gpu in gpus for d in gpu.devices)
+    for spec in specs:
+        own_sets = {s["name"]: s["counters"] for s in spec.get("sharedCounters", [])}
+        # 1.34's limits: 128 devices, 32 counters over all sets, 1024 counters consumed in a slice.
+        assert len(spec["devices"]) <= 128
+        assert sum(len(counters) for counters in own_sets.values()) <= 32
+        consumed = [c for d in spec["devices"] for c in d.get("consumesCounters", [])]
+        assert sum(len(c["counters"]) for c in consumed) <= 1024
+        for consumption in consumed:
+            assert set(consumption["counters"]) <= set(own_sets[consumption["counterSet"]])
+
+
+def test_on_1_34_each_partitioned_gpu_gets_one_slice_with_its_counter_set_and_devices() -> None:
+    gpus = build_devices(inventory(*(h100(i) for i in range(3))))
+    specs = slice_specs(
+        split_pool(gpus, counters_beside_devices=True), driver=DRIVER, node_name=NODE, generation=1
+    )
+    assert [(len(s["sharedCounters"]), len(s["devices"])) for s in specs] == [(1, 26)] * 3
+    assert [s["devices"][0]["name"] for s in specs] == ["gpu-0", "gpu-1", "gpu-2"]
+
+
+def test_on_1_34_gpus_without_partitions_are_packed_as_on_newer_releases() -> None:
+    gpus = build_devices(inventory(*(h100(i) for i in range(200))), partition=partition_none)
+    assert split_pool(gpus, counters_beside_devices=True) == split_pool(gpus)

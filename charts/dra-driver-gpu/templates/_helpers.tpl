@@ -73,3 +73,37 @@ admin-access requests may use (templates/maintenance.yaml).
 {{- define "dra-driver-gpu.maintenanceClassName" -}}
 {{- .Values.deviceClasses.maintenance.name | default (printf "maintenance.%s" (trimPrefix "gpu." .Values.driverName)) -}}
 {{- end -}}
+
+{{/*
+The optional features, after featureGates (docs/configuration.md, "Feature gates"), as YAML for
+fromYaml: computeDomains, maintenanceDevices and nodeLabels (booleans) and migPartitions. A gate
+that is set wins over the value it is named after (NodeLabels -> nodeLabels); NVIDIA's DynamicMIG
+maps to migPartitions (false: none; true: the value, or all where it is none). NVIDIA's gates for
+what this driver always does, or never does, are accepted where they agree and refused with the
+reason where they do not, so a values file written for NVIDIA's chart never silently means less.
+*/}}
+{{- define "dra-driver-gpu.features" -}}
+{{- $gates := .Values.featureGates | default dict -}}
+{{- $features := dict "computeDomains" .Values.computeDomains "maintenanceDevices" .Values.maintenanceDevices "nodeLabels" .Values.nodeLabels "migPartitions" .Values.migPartitions -}}
+{{- range $gate, $value := dict "ComputeDomains" "computeDomains" "MaintenanceDevices" "maintenanceDevices" "NodeLabels" "nodeLabels" -}}
+{{- if hasKey $gates $gate -}}
+{{- $_ := set $features $value (index $gates $gate) -}}
+{{- end -}}
+{{- end -}}
+{{- if hasKey $gates "DynamicMIG" -}}
+{{- if not $gates.DynamicMIG -}}
+{{- $_ := set $features "migPartitions" "none" -}}
+{{- else if eq .Values.migPartitions "none" -}}
+{{- $_ := set $features "migPartitions" "all" -}}
+{{- end -}}
+{{- end -}}
+{{- range $gate, $what := dict "TimeSlicingSettings" "time-slicing configs" "MPSSupport" "MPS configs" "NVMLDeviceHealthCheck" "GPU health checks (Xid events, lost GPUs)" -}}
+{{- if and (hasKey $gates $gate) (not (index $gates $gate)) -}}
+{{- fail (printf "featureGates.%s=false: this driver always serves %s and cannot switch them off; leave the gate out" $gate $what) -}}
+{{- end -}}
+{{- end -}}
+{{- if $gates.PassthroughSupport -}}
+{{- fail "featureGates.PassthroughSupport=true: VFIO passthrough is not supported: this driver publishes no gpu-vfio-* devices and never binds a GPU to vfio-pci" -}}
+{{- end -}}
+{{- toYaml $features -}}
+{{- end -}}

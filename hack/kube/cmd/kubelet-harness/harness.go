@@ -63,7 +63,7 @@ func run(ctx context.Context, opts options) error {
 	if err != nil {
 		return fmt.Errorf("create DRA manager with --state-dir %s: %w", opts.stateDir, err)
 	}
-	defer draManager.Stop()
+	defer stopDRAManager(draManager)
 
 	informerFactory := informers.NewSharedInformerFactoryWithOptions(client, 0,
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
@@ -80,7 +80,7 @@ func run(ctx context.Context, opts options) error {
 	// pod informer has synced. Until then the DRA manager's reconcile loop must not treat
 	// checkpointed claims of not-yet-seen pods as orphaned.
 	sourcesReady := config.NewSourcesReady(func(sets.Set[string]) bool { return podInformer.HasSynced() })
-	if err := draManager.Start(ctx, pods.activePods, node.get, sourcesReady); err != nil {
+	if err := draManager.Start(ctx, pods.activePods, getNodeFunc(ctx, node.get), sourcesReady); err != nil {
 		return fmt.Errorf("start DRA manager: %w", err)
 	}
 

@@ -238,7 +238,7 @@ func (c *podController) start(ctx context.Context, tracked *trackedPod, pod *v1.
 func (c *podController) publishStatus(ctx context.Context, pod *v1.Pod) error {
 	status := runningStatus(pod, metav1.Now())
 	if utilfeature.DefaultFeatureGate.Enabled(features.ResourceHealthStatus) {
-		c.dra.UpdateAllocatedResourcesStatus(klog.FromContext(ctx), pod, status)
+		updateAllocatedResourcesStatus(c.dra, klog.FromContext(ctx), pod, status)
 	}
 	if apiequality.Semantic.DeepEqual(&pod.Status, status) {
 		return nil

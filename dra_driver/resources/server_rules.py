@@ -1,0 +1,43 @@
+"""What differs in the resource.k8s.io/v1 API between the Kubernetes releases the driver supports.
+
+The driver writes one API version, v1 (served from 1.34), yet a few rules of it changed after 1.34:
+
+- **Counters.** Before 1.35 (``DRAPartitionableDevices`` alpha) a device consumes counters only from
+  the counter sets of its own ResourceSlice, and a slice may hold at most 32 counters over all its
+  sets. From 1.35 counter sets live in slices of their own and devices of other slices of the pool
+  consume them. So on 1.34 each partitioned GPU gets one slice holding its counter set beside its
+  full GPU and MIG devices (:func:`dra_driver.resources.slices.split_pool`).
+- **Taint effect None** (a taint that only informs) is valid from 1.35; 1.34 knows only NoSchedule
+  and NoExecute and refuses the whole slice otherwise.
+
+The release comes from the API server's ``/version``; one the driver cannot read counts as the
+newest, whose rules are the default everywhere.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_VERSION = re.compile(r"v?(\d+)\.(\d+)")
+
+
+@dataclass(frozen=True)
+class ServerRules:
+    """The API rules of one Kubernetes release that change what the driver writes."""
+
+    counters_beside_devices: bool = False  # before 1.35: counter sets in the devices' own slice
+    taint_effect_none: bool = True  # from 1.35
+
+
+NEWEST = ServerRules()
+
+
+def rules_for(git_version: str) -> ServerRules:
+    """The rules of the release a ``/version`` gitVersion names ("v1.34.4", "v1.35.0-rc.1");
+    anything that does not look like a 1.x release gets the newest rules."""
+    match = _VERSION.match(git_version.strip())
+    if match is None or match[1] != "1":
+        return NEWEST
+    minor = int(match[2])
+    return ServerRules(counters_beside_devices=minor < 35, taint_effect_none=minor >= 35)
