@@ -40,6 +40,7 @@ from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
 from dra_driver.node.claim_status import ApiServerClaimStatus, ClaimStatusWriter
 from dra_driver.node.preparer import NodePreparer
 from dra_driver.node.sharing.mps import MpsDaemons
+from dra_driver.node.sharing.mps_deployment import DeploymentMpsDaemons
 from dra_driver.node.sharing.mps_local import LocalMpsDaemons
 from dra_driver.resources.devices import (
     PartitionPolicy,
@@ -347,11 +348,24 @@ async def run_plugin(settings: Settings, stop: asyncio.Event | None = None) -> N
 
 
 def mps_daemons(settings: Settings, api: ApiClient) -> MpsDaemons | None:
-    """Where the node's MPS control daemons run: stand-in processes on a simulated node."""
-    del api  # the Deployments of a real node need the plugin's namespace and image (docs/sharing.md)
+    """Where the node's MPS control daemons run (docs/sharing.md); None: MPS claims are refused.
+
+    A simulated node runs stand-in processes (no kubelet there runs pods); a real node runs a
+    Deployment per daemon in the plugin's namespace, which needs that namespace and an image.
+    """
     if settings.simulate:
         return LocalMpsDaemons(settings.state_dir / "mps", settings.state_dir / STATE_FILE_NAME)
-    return None
+    if not (settings.pod_namespace and settings.mps_daemon_image):
+        log.info("MPS claims are refused: --pod-namespace and --mps-daemon-image are not both set")
+        return None
+    return DeploymentMpsDaemons(
+        JsonApi(api),
+        namespace=settings.pod_namespace,
+        node_name=settings.node_name,
+        image=settings.mps_daemon_image,
+        driver_root=str(settings.driver_root),
+        root=settings.state_dir / "mps",
+    )
 
 
 async def _serve(

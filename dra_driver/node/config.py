@@ -18,6 +18,7 @@ Kinds:
     for MIG devices. Same strategies, but no ``timeSlicing`` settings: the time-slice
     interval is a property of a full GPU that MIG devices do not have (processes on one
     MIG device are time-sliced with the fixed default), while MPS runs on MIG devices.
+    An interval for a MIG device is refused with that reason (either API).
 
 Precedence (resource.k8s.io): class configs come before claim configs, a later entry
 overrides an earlier one, and a config applies to the requests it names or to all
@@ -28,8 +29,9 @@ class config per kind can sit side by side; a claim config that names a request 
 results are all of the other kind is refused rather than ignored (see
 :mod:`dra_driver.node.plan`).
 
-What prepare does with the settings (validate, record, announce as env; it does not
-reconfigure the GPU) is described in :mod:`dra_driver.node.plan`. NVIDIA's config API
+What prepare does with the settings (validate, announce as env, and apply on the GPU: compute
+mode, time slice, an MPS control daemon) is described in :mod:`dra_driver.node.plan` and
+:mod:`dra_driver.node.sharing.policy`. NVIDIA's config API
 (``resource.nvidia.com/v1beta1``, with its own field names: ``timeSlicingConfig``,
 ``mpsConfig``) is served too, translated into this one by :mod:`dra_driver.node.nvidia_config`,
 so claims written for NVIDIA's driver keep their configs.

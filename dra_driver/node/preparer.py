@@ -8,9 +8,13 @@ One prepare, for one claim::
     -> nothing to create (full GPUs, existing MIG devices): write the CDI spec, then
        commit PrepareCompleted in one step (refused if another claim holds a device:
        the spec goes again) -> answer
-    -> MIG devices to create: commit PrepareStarted first (reserves the devices,
-       records the MIG devices to create; refused if another claim holds one)
+    -> MIG devices to create, or sharing to apply (TimeSlicing, MPS): commit
+       PrepareStarted first (reserves the devices, records the MIG devices to create
+       and what each GPU's compute mode and time slice are now; refused if another
+       claim holds one)
     -> create each MIG device, committing its uuid as soon as it exists
+    -> apply the sharing: compute mode and time slice, the claim's MPS control daemon
+       started and waited for (:mod:`dra_driver.node.sharing.applier`)
     -> write the CDI spec -> commit PrepareCompleted -> answer
 
 The one-step commit is safe because a spec on disk without a record is what recovery
@@ -18,9 +22,10 @@ already treats as a prepared claim (:mod:`dra_driver.node.recovery`): after a cr
 between the two, the devices stay reserved until the kubelet's retry or unprepare. It
 halves the checkpoint writes of the common prepare.
 
-Unprepare destroys the claim's MIG devices first: while one cannot be destroyed (in
-use), the claim keeps its record and spec and the kubelet retries. Only then are the
-spec and the record removed.
+Unprepare stops the claim's MPS daemon and puts back each GPU's compute mode and time
+slice (unless another prepared claim still shares that GPU), then destroys the claim's
+MIG devices: while one cannot be destroyed (in use), the claim keeps its record and
+spec and the kubelet retries. Only then are the spec and the record removed.
 
 Claims are independent: each runs in its own task, so one slow GET or a refused
 device delays or fails only its own claim, and their checkpoint writes share fsyncs

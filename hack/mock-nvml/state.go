@@ -80,6 +80,10 @@ type Gpu struct {
 	Lost       bool          `json:"lost,omitempty"` // fallen off the bus: every call is GPU_IS_LOST
 	Instances  []GpuInstance `json:"gpuInstances"`
 	Events     []Event       `json:"events,omitempty"`
+
+	// Compute mode (nvmlComputeMode_t) and time slice (0-3) of compute.go.
+	ComputeMode int `json:"computeMode,omitempty"`
+	TimeSlice   int `json:"timeSlice,omitempty"`
 }
 
 // Fault makes calls of one NVML function fail with Code, or hang for HangMS first.
@@ -313,6 +317,7 @@ func (g *Gpu) reset() {
 	g.Instances = []GpuInstance{}
 	g.Lost = false
 	g.Busy = false
+	g.ComputeMode, g.TimeSlice = 0, 0 // compute.go: neither survives a reset
 }
 
 func migCapable(c gpus.Config) bool { return len(c.MIGProfiles.GpuInstanceProfiles) > 0 }
