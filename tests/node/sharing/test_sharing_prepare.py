@@ -314,3 +314,40 @@ async def test_an_exclusive_claim_changes_nothing(node: Node) -> None:
     assert policy(node, 0) == DEFAULT
     assert node.on_disk().claims[ref.uid].sharing is None
     assert "CUDA_MPS_PIPE_DIRECTORY" not in claim_env(node, ref.uid)
+
+
+# --- restarts and lost state ----------------------------------------------------------------------------
+
+
+async def test_a_daemon_no_claim_records_is_stopped_when_the_plugin_starts(node: Node) -> None:
+    preparer = await node.started()
+    ref = new_ref()
+    node.allocate(ref, "gpu-0", configs=[mps()])
+    await prepared(preparer, ref)
+    stray = node.mps.paths("0badc0de-0000-0000-0000-000000000000-abcde").root
+    stray.mkdir(parents=True)  # e.g. a prepare that crashed before its record was written
+
+    await node.started()
+
+    assert not stray.exists()
+    daemon = node.on_disk().claims[ref.uid].sharing.mps_daemon  # type: ignore[union-attr]
+    assert daemon is not None
+    assert node.mps.pid(daemon) is not None  # the recorded one keeps serving its claim
+
+
+async def test_a_lost_checkpoint_still_stops_the_claims_daemon_at_unprepare(node: Node) -> None:
+    preparer = await node.started()
+    ref = new_ref()
+    node.allocate(ref, "gpu-0", configs=[mps()])
+    await prepared(preparer, ref)
+    daemon = node.on_disk().claims[ref.uid].sharing.mps_daemon  # type: ignore[union-attr]
+    assert daemon is not None
+    for path in node.checkpoint_path.parent.glob("checkpoint.json*"):
+        path.unlink()  # the node's disk lost the checkpoint; the CDI spec survives
+
+    restarted = await node.started()
+    assert node.on_disk().claims[ref.uid].phase == "Recovered"
+    assert node.mps.pid(daemon) is not None  # its claim may still be running
+    assert (await restarted.unprepare([ref]))[ref.uid] is None
+    assert node.mps.pid(daemon) is None
+    assert not node.mps.paths(daemon).root.exists()
