@@ -42,6 +42,15 @@ def claim_of(rest: RestClient, namespace: str, pod: str) -> JsonObject:
     return pod_claim(rest, wait_running(rest, namespace, pod), "gpu")
 
 
+@pytest.fixture(autouse=True)
+def no_daemon_outlives_a_test(node: GpuNode) -> Iterator[None]:
+    """Stand-in daemons run in sessions of their own: one a failed test left behind is ended here."""
+    yield
+    stand_ins = daemons(node)
+    for daemon in (node.driver.paths.data / "mps").glob("*"):
+        stand_ins._stop(daemon.name)
+
+
 @pytest.fixture
 def mps_fault(node: GpuNode) -> Iterator[SimulatedBackend]:
     """Every GPU of the node refuses to run an MPS server until the test repairs it."""
