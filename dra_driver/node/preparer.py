@@ -304,7 +304,12 @@ class NodePreparer:
             sharing = sharing_plan(plan)
             # Sharing and MIG devices to create take steps, each recorded before it is taken.
             in_steps = bool(plan.to_create) or sharing.changes_anything
-            async with self._sharing.lock:
+            # Only claims that change a GPU's settings take turns (see SharingApplier.lock): the
+            # others' commits must stay concurrent, so that they share fsyncs.
+            guard: contextlib.AbstractAsyncContextManager[object] = (
+                self._sharing.lock if sharing.changes_anything else contextlib.nullcontext()
+            )
+            async with guard:
                 record = ClaimRecord(
                     namespace=ref.namespace,
                     name=ref.name,
