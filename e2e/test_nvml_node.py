@@ -114,3 +114,40 @@ def test_a_gpu_nvml_loses_is_tainted_noexecute_and_untainted_once_reset(
     )
     hardware(node, "reset 5")
     wait_until(lambda: not taints(), timeout_seconds=TIMEOUT_S, waiting_for="gpu-5 untainted after its reset")
+
+
+def test_time_slicing_changes_the_gpu_nvml_drives_and_unprepare_restores_it(
+    rest: RestClient, node: GpuNode, namespace: str
+) -> None:
+    manifests.apply_example(rest, manifests.EXAMPLES / "time-sliced-gpu.yaml", namespace, node_name=node.name)
+    claim = pod_claim(rest, wait_running(rest, namespace, "time-sliced"), "gpu")
+    (device,) = allocated_devices(claim)
+
+    def gpu_state() -> dict[str, object]:
+        gpus = MockNvml().state(node.driver.paths.mock_nvml_state)["gpus"]
+        return next(g for g in gpus if f"gpu-{g['minor']}" == device)
+
+    # Compute mode Default (through NVML) and time slice Long (3, through the driver root's nvidia-smi).
+    assert gpu_state().get("timeSlice") == 3
+    assert gpu_state().get("computeMode") is None
+    delete_pod(rest, namespace, "time-sliced")
+    assert gpu_state().get("timeSlice") is None
+
+
+def test_mps_without_a_daemon_namespace_is_refused_with_the_reason(
+    rest: RestClient, node: GpuNode, namespace: str
+) -> None:
+    manifests.apply_example(rest, manifests.EXAMPLES / "mps-gpu.yaml", namespace, node_name=node.name)
+    events = f"/api/v1/namespaces/{namespace}/events"
+    selector = "involvedObject.kind=Pod,involvedObject.name=mps,reason=FailedPrepareDynamicResources"
+
+    def failure() -> str | None:
+        items = rest.request("GET", events, query={"fieldSelector": selector})["items"]
+        return str(items[0]["message"]) if items else None
+
+    message = wait_until(
+        failure, timeout_seconds=TIMEOUT_S, waiting_for="a FailedPrepareDynamicResources event"
+    )
+    assert "this plugin runs no MPS control daemons" in message
+    state = MockNvml().state(node.driver.paths.mock_nvml_state)
+    assert all(g.get("computeMode") is None for g in state["gpus"])  # nothing was changed
