@@ -28,6 +28,7 @@ from dra_driver.devices.backend import Backend, DeviceError
 from dra_driver.devices.backends import open_backend
 from dra_driver.devices.driver_root import find_cdi_hook, find_driver_files, parse_capabilities
 from dra_driver.devices.health import FaultKind, HealthSource, NodeFaults, open_health_source
+from dra_driver.devices.simulated import STATE_FILE_NAME
 from dra_driver.devices.types import HealthState, Inventory
 from dra_driver.errors import StartupError
 from dra_driver.http import StatusServer
@@ -40,6 +41,9 @@ from dra_driver.metrics import Metrics
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
 from dra_driver.node.claim_status import ApiServerClaimStatus, ClaimStatusWriter
 from dra_driver.node.preparer import NodePreparer
+from dra_driver.node.sharing.mps import MpsDaemons
+from dra_driver.node.sharing.mps_deployment import DeploymentMpsDaemons
+from dra_driver.node.sharing.mps_local import LocalMpsDaemons
 from dra_driver.resources.devices import (
     PartitionPolicy,
     build_devices,
@@ -388,6 +392,27 @@ async def run_plugin(settings: Settings, stop: asyncio.Event | None = None) -> N
         await _serve(settings, backend, inventory, api, metrics, status, stop, started)
 
 
+def mps_daemons(settings: Settings, api: ApiClient) -> MpsDaemons | None:
+    """Where the node's MPS control daemons run (docs/sharing.md); None: MPS claims are refused.
+
+    A simulated node runs stand-in processes (no kubelet there runs pods); a real node runs a
+    Deployment per daemon in the plugin's namespace, which needs that namespace and an image.
+    """
+    if settings.simulate:
+        return LocalMpsDaemons(settings.state_dir / "mps", settings.state_dir / STATE_FILE_NAME)
+    if not (settings.pod_namespace and settings.mps_daemon_image):
+        log.info("MPS claims are refused: --pod-namespace and --mps-daemon-image are not both set")
+        return None
+    return DeploymentMpsDaemons(
+        JsonApi(api),
+        namespace=settings.pod_namespace,
+        node_name=settings.node_name,
+        image=settings.mps_daemon_image,
+        driver_root=str(settings.driver_root),
+        root=settings.state_dir / "mps",
+    )
+
+
 async def _serve(
     settings: Settings,
     backend: Backend,
@@ -463,6 +488,7 @@ async def _serve(
         on_prepared=claim_status.prepared,
         on_unprepared=claim_status.unprepared,
         on_idle=lambda: trimmer.idle(),
+        mps=mps_daemons(settings, api),
     )
     trimmer = HeapTrimmer(lambda: preparer.busy)  # a burst's freed memory goes back to the kernel
     await preparer.start()  # before publishing: it knows which MIG devices are the driver's own

@@ -26,6 +26,7 @@ _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9
 _NODE_NAME_MAX = 253  # a Node's name is a DNS subdomain (RFC 1123)
 # A pod UID (a UUID) becomes part of socket file names: no '/', no leading '.', nothing odd.
 _POD_UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _GPU_MINOR = re.compile(r"^[0-9]{1,3}$")
 _GPU_UUID = re.compile(r"^GPU-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$")  # as NVML prints them
 _PORT = re.compile(r"^[0-9]{1,5}$")
@@ -63,6 +64,20 @@ class Settings(BaseSettings):
         Field(
             description="UID of the plugin's own pod (downward API). When set, sockets get per-instance "
             "names so that a rolling update can run two plugins on one node."
+        ),
+    ] = ""
+    pod_namespace: Annotated[
+        str,
+        Field(
+            description="Namespace of the plugin's own pod (downward API), where it runs the MPS "
+            "control daemons of MPS claims as Deployments; unset on a real node: MPS claims are refused."
+        ),
+    ] = ""
+    mps_daemon_image: Annotated[
+        str,
+        Field(
+            description="Image of the MPS control daemon pods (it needs only a shell: the daemon runs "
+            "from the driver root); unset on a real node: MPS claims are refused."
         ),
     ] = ""
     simulate: Annotated[
@@ -255,6 +270,15 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"{value!r} is not a pod UID (the downward API's metadata.uid, e.g. "
                 "3f2b6c1e-8d4a-4e0b-9c1d-2a5e7f8b9c0d); it becomes part of the socket file names"
+            )
+        return value
+
+    @field_validator("pod_namespace")
+    @classmethod
+    def _namespace_is_dns_label(cls, value: str) -> str:
+        if value and not _DNS_LABEL.fullmatch(value):
+            raise ValueError(
+                f"{value!r} is not a namespace name (a DNS label: lower-case letters, digits, '-')"
             )
         return value
 

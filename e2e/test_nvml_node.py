@@ -239,3 +239,40 @@ def test_mig_on_a_busy_gpu_fails_its_claim_keeps_mig_mode_off_and_succeeds_once_
         timeout_seconds=TIMEOUT_S,
         waiting_for="GPU 6 back to MIG mode off",
     )
+
+
+def test_time_slicing_changes_the_gpu_nvml_drives_and_unprepare_restores_it(
+    rest: RestClient, node: GpuNode, namespace: str
+) -> None:
+    manifests.apply_example(rest, manifests.EXAMPLES / "time-sliced-gpu.yaml", namespace, node_name=node.name)
+    claim = pod_claim(rest, wait_running(rest, namespace, "time-sliced"), "gpu")
+    (device,) = allocated_devices(claim)
+
+    def gpu_state() -> dict[str, object]:
+        gpus = MockNvml().state(node.driver.paths.mock_nvml_state)["gpus"]
+        return next(g for g in gpus if f"gpu-{g['minor']}" == device)
+
+    # Compute mode Default (through NVML) and time slice Long (3, through the driver root's nvidia-smi).
+    assert gpu_state().get("timeSlice") == 3
+    assert gpu_state().get("computeMode") is None
+    delete_pod(rest, namespace, "time-sliced")
+    assert gpu_state().get("timeSlice") is None
+
+
+def test_mps_without_a_daemon_namespace_is_refused_with_the_reason(
+    rest: RestClient, node: GpuNode, namespace: str
+) -> None:
+    manifests.apply_example(rest, manifests.EXAMPLES / "mps-gpu.yaml", namespace, node_name=node.name)
+    events = f"/api/v1/namespaces/{namespace}/events"
+    selector = "involvedObject.kind=Pod,involvedObject.name=mps,reason=FailedPrepareDynamicResources"
+
+    def failure() -> str | None:
+        items = rest.request("GET", events, query={"fieldSelector": selector})["items"]
+        return str(items[0]["message"]) if items else None
+
+    message = wait_until(
+        failure, timeout_seconds=TIMEOUT_S, waiting_for="a FailedPrepareDynamicResources event"
+    )
+    assert "this plugin runs no MPS control daemons" in message
+    state = MockNvml().state(node.driver.paths.mock_nvml_state)
+    assert all(g.get("computeMode") is None for g in state["gpus"])  # nothing was changed

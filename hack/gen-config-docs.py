@@ -54,6 +54,9 @@ CHART_SETS: dict[str, ChartSets] = {
     "pod_uid": ChartSets(
         "metadata.uid", "sockets named per instance, so that a rolling update runs two plugins side by side"
     ),
+    "pod_namespace": ChartSets(
+        "metadata.namespace", "the release namespace, where the plugin runs MPS control daemons (Deployments)"
+    ),
     "kubeconfig": ChartSets(None, "unset: the pod's service account (in-cluster configuration)"),
     "data_dir": ChartSets(
         None,

@@ -52,6 +52,10 @@ def install_driver_root(root: Path) -> Path:
     link = lib_dir / NVML_SONAME
     if not link.exists():
         link.symlink_to(mock_nvml_library())
+    smi = root / "usr" / "bin" / "nvidia-smi"  # the mock's own: `compute-policy --set-timeslice` only
+    if not smi.exists():
+        smi.parent.mkdir(parents=True, exist_ok=True)
+        smi.symlink_to(REPO / "hack" / "mock-nvml" / "nvidia-smi")
     dev = root / "dev"
     dev.mkdir(exist_ok=True)
     for name, stand_in in (

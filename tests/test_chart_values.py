@@ -119,7 +119,11 @@ def with_value(values: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
     return changed
 
 
-DOWNWARD = {"spec.nodeName": "gpu-node-1", "metadata.uid": "4f7c7a2e-4c55-4d8f-9f3a-6c4a1f2b3c4d"}
+DOWNWARD = {
+    "spec.nodeName": "gpu-node-1",
+    "metadata.uid": "4f7c7a2e-4c55-4d8f-9f3a-6c4a1f2b3c4d",
+    "metadata.namespace": "dra-driver",
+}
 VALUES_FILES = [None, *CI_VALUES]
 VALUES_IDS = ["defaults", *(path.stem for path in CI_VALUES)]
 

@@ -18,6 +18,7 @@ Kinds:
     for MIG devices. Same strategies, but no ``timeSlicing`` settings: the time-slice
     interval is a property of a full GPU that MIG devices do not have (processes on one
     MIG device are time-sliced with the fixed default), while MPS runs on MIG devices.
+    An interval for a MIG device is refused with that reason (either API).
 
 Precedence (resource.k8s.io): class configs come before claim configs, a later entry
 overrides an earlier one, and a config applies to the requests it names or to all
@@ -28,8 +29,9 @@ class config per kind can sit side by side; a claim config that names a request 
 results are all of the other kind is refused rather than ignored (see
 :mod:`dra_driver.node.plan`).
 
-What prepare does with the settings (validate, record, announce as env; it does not
-reconfigure the GPU) is described in :mod:`dra_driver.node.plan`. NVIDIA's config API
+What prepare does with the settings (validate, announce as env, and apply on the GPU: compute
+mode, time slice, an MPS control daemon) is described in :mod:`dra_driver.node.plan` and
+:mod:`dra_driver.node.sharing.policy`. NVIDIA's config API
 (``resource.nvidia.com/v1beta1``, with its own field names: ``timeSlicingConfig``,
 ``mpsConfig``) is served too, translated into this one by :mod:`dra_driver.node.nvidia_config`,
 so claims written for NVIDIA's driver keep their configs.
@@ -161,6 +163,7 @@ def decode_entry(entry: OpaqueConfig) -> Decoded:
     if not isinstance(parameters, Mapping):
         raise ConfigError(f"{entry.describe()}: parameters must be a JSON object with apiVersion and kind")
     api_version, kind = parameters.get("apiVersion"), parameters.get("kind")
+    _check_no_mig_time_slice(entry, parameters)
     per_device: Mapping[str, str] = {}
     if api_version == nvidia_config.NVIDIA_API_VERSION:
         try:
@@ -184,6 +187,20 @@ def decode_entry(entry: OpaqueConfig) -> Decoded:
     except ValidationError as error:
         raise ConfigError(f"{entry.describe()}: {describe_errors(error)}") from None
     return Decoded(config, per_device)
+
+
+def _check_no_mig_time_slice(entry: OpaqueConfig, parameters: Mapping[str, Any]) -> None:
+    """A time slice for a MIG device: refused with the reason, not as an unknown field."""
+    sharing = parameters.get("sharing")
+    if parameters.get("kind") != "MigDeviceConfig" or not isinstance(sharing, Mapping):
+        return
+    for name in ("timeSlicing", "timeSlicingConfig"):
+        if name in sharing:
+            raise ConfigError(
+                f"{entry.describe()}: sharing.{name}: a MIG device's time slice cannot be set (the "
+                "hardware time-slices the processes on one MIG device with a fixed slice); remove it, "
+                "or ask for a full GPU with a GpuConfig"
+            )
 
 
 def config_json(config: DeviceConfig) -> dict[str, Any]:

@@ -29,9 +29,9 @@ workload may be using, so it gets that device as it is, announced by
 ``DRA_GPU_ADMIN_ACCESS_<DEVICE>=true``. The checkpoint does not count it against the device
 (:mod:`dra_driver.node.state`), so unpreparing it leaves the workload's claim alone.
 
-What the sharing settings do. They are validated (also against the device, e.g. an
-MPS memory limit larger than the device), recorded in the checkpoint, and announced
-to the container, per device, as environment variables::
+What the sharing settings do. They are validated here (also against the device, e.g. an
+MPS memory limit larger than the device), and announced to the container, per device, as
+environment variables::
 
     DRA_GPU_SHARING_STRATEGY_<DEVICE>=Exclusive|TimeSlicing|MPS
     DRA_GPU_TIME_SLICE_INTERVAL_<DEVICE>=Default|Short|Medium|Long       (TimeSlicing, full GPUs)
@@ -39,12 +39,12 @@ to the container, per device, as environment variables::
     DRA_GPU_MPS_PINNED_DEVICE_MEMORY_LIMIT_<DEVICE>=<bytes>             (MPS, when set)
 
 (``<DEVICE>`` as in the CDI spec's ``DRA_GPU_UUID_<DEVICE>``: ``gpu-0`` -> ``GPU_0``;
-per device, because a container may hold devices with different settings.) The
-driver does not change the GPU: it sets no compute mode and no time slice
-(``nvidia-smi compute-policy``), and starts no MPS control daemon, so nothing here
-enforces sharing. An MPS server run by the workload or an administrator can take
-its client limits from these variables (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``,
-``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``).
+per device, because a container may hold devices with different settings.) What they
+change on the GPU -- compute mode and time slice, and an MPS control daemon per claim
+whose pipe, log and shm directories and ``CUDA_MPS_*`` limits every container gets --
+is planned by :mod:`dra_driver.node.sharing.policy` from this plan, before anything is
+changed, and applied and undone by :mod:`dra_driver.node.sharing.applier`
+(docs/sharing.md).
 """
 
 from __future__ import annotations

@@ -49,6 +49,10 @@ _REAL_NODE_CONTROLLERS = (
     "serviceaccount-controller",
     "root-ca-certificate-publisher-controller",
 )
+# Without kubelets: Deployments get ReplicaSets and pods, so that a test can play the kubelet of the
+# MPS control daemon's pod (e2e/test_mps_deployment.py). With real kubelets the chart's own
+# Deployments keep running without pods, as before.
+_KUBELETLESS_CONTROLLERS = ("deployment-controller", "replicaset-controller")
 _POLL_SECONDS = 0.1
 _STOP_GRACE_SECONDS = 10.0
 
@@ -336,6 +340,9 @@ class ControlPlane:
             f"--secure-port={ports.scheduler}",
         ]
 
+    def _extra_controllers(self) -> tuple[str, ...]:
+        return _REAL_NODE_CONTROLLERS if self._real_nodes else _KUBELETLESS_CONTROLLERS
+
     def _controller_manager_args(self, ports: Ports, gates: str) -> list[str]:
         return [
             str(self._binaries.kube_controller_manager),
@@ -343,7 +350,7 @@ class ControlPlane:
             # service-account credentials, which need controllers this cluster leaves out.
             f"--kubeconfig={self._kubeconfig}",
             "--leader-elect=false",
-            f"--controllers={','.join(_CONTROLLERS + (_REAL_NODE_CONTROLLERS if self._real_nodes else ()))}",
+            f"--controllers={','.join(_CONTROLLERS + self._extra_controllers())}",
             f"--feature-gates={gates}",
             "--bind-address=127.0.0.1",
             f"--secure-port={ports.controller_manager}",

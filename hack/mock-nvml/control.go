@@ -16,6 +16,7 @@ package main
 //	state                              the state as JSON
 //	xid GPU XID [GI CI]                an Xid event (critical-error event type)
 //	lose GPU / reset GPU / reboot      fall off the bus; a GPU reset; every GPU reset
+//	timeslice GPU 0-3                  the time slice, as `nvidia-smi compute-policy --set-timeslice`
 //	busy GPU on|off                    processes on the full GPU (MIG activation is IN_USE)
 //	busy-gi GPU GI on|off              processes in a GPU instance (destroying it is IN_USE)
 //	mig GPU 0|1                        set MIG mode as an administrator would, reset included
@@ -178,6 +179,8 @@ func (s *State) run(args []string) (string, error) {
 			s.Gpus[i].Events = nil
 		}
 		return "", nil
+	case "timeslice":
+		return s.setTimeSlice(args)
 	case "busy":
 		g, _, err := s.gpuArg(args, 1)
 		if err != nil {

@@ -82,6 +82,10 @@ type Gpu struct {
 	Events     []Event       `json:"events,omitempty"`
 	Fabric     *Fabric       `json:"fabric,omitempty"`     // nil: fabric info NOT_SUPPORTED (fabric.go)
 	Addressing string        `json:"addressing,omitempty"` // none, hmm, ats; else NOT_SUPPORTED
+
+	// Compute mode (nvmlComputeMode_t) and time slice (0-3) of compute.go.
+	ComputeMode int `json:"computeMode,omitempty"`
+	TimeSlice   int `json:"timeSlice,omitempty"`
 }
 
 // Fault makes calls of one NVML function fail with Code, or hang for HangMS first.
@@ -318,6 +322,7 @@ func (g *Gpu) reset() {
 	g.Instances = []GpuInstance{}
 	g.Lost = false
 	g.Busy = false
+	g.ComputeMode, g.TimeSlice = 0, 0 // compute.go: neither survives a reset
 }
 
 func migCapable(c gpus.Config) bool { return len(c.MIGProfiles.GpuInstanceProfiles) > 0 }
