@@ -105,6 +105,7 @@ def desired_slices(
             owned_mig_uuids=owned_mig_uuids,
             taints=taints,
             maintenance=settings.maintenance_devices,
+            consumable=settings.consumable_capacity,
         )
     )
 
