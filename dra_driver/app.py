@@ -412,6 +412,7 @@ async def _serve(
         checkpoint_path=state_dir / CHECKPOINT_FILE,
         boot_id_path=settings.boot_id_file,
         partition=partition_policy(settings.mig_partitions),
+        consumable=settings.consumable_capacity,
         on_inventory_changed=watch.deliver,  # MIG devices created or destroyed: publish now
         observer=metrics,
         on_prepared=claim_status.prepared,
