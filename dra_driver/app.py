@@ -28,6 +28,7 @@ from dra_driver.devices.backend import Backend, DeviceError
 from dra_driver.devices.backends import open_backend
 from dra_driver.devices.driver_root import find_cdi_hook, find_driver_files, parse_capabilities
 from dra_driver.devices.health import FaultKind, HealthSource, NodeFaults, open_health_source
+from dra_driver.devices.simulated import STATE_FILE_NAME
 from dra_driver.devices.types import HealthState, Inventory
 from dra_driver.http import StatusServer
 from dra_driver.kubelet.health import HealthBoard
@@ -38,6 +39,8 @@ from dra_driver.metrics import Metrics
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
 from dra_driver.node.claim_status import ApiServerClaimStatus, ClaimStatusWriter
 from dra_driver.node.preparer import NodePreparer
+from dra_driver.node.sharing.mps import MpsDaemons
+from dra_driver.node.sharing.mps_local import LocalMpsDaemons
 from dra_driver.resources.devices import (
     PartitionPolicy,
     build_devices,
@@ -344,6 +347,14 @@ async def run_plugin(settings: Settings, stop: asyncio.Event | None = None) -> N
         await _serve(settings, backend, inventory, api, metrics, status, stop, started)
 
 
+def mps_daemons(settings: Settings, api: ApiClient) -> MpsDaemons | None:
+    """Where the node's MPS control daemons run: stand-in processes on a simulated node."""
+    del api  # the Deployments of a real node need the plugin's namespace and image (docs/sharing.md)
+    if settings.simulate:
+        return LocalMpsDaemons(settings.state_dir / "mps", settings.state_dir / STATE_FILE_NAME)
+    return None
+
+
 async def _serve(
     settings: Settings,
     backend: Backend,
@@ -417,6 +428,7 @@ async def _serve(
         observer=metrics,
         on_prepared=claim_status.prepared,
         on_unprepared=claim_status.unprepared,
+        mps=mps_daemons(settings, api),
     )
     await preparer.start()  # before publishing: it knows which MIG devices are the driver's own
     await gpu_health.start()  # before publishing too: a faulty GPU is never offered untainted

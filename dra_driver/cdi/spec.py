@@ -110,6 +110,8 @@ class CommonEdits:
     device_nodes: tuple[DeviceNode, ...]
     mounts: tuple[Mount, ...]  # driver libraries/binaries/firmware, read-only bind mounts
     hooks: tuple[Hook, ...]  # nvidia-cdi-hook create-symlinks / update-ldcache when available
+    # Claim-wide variables beside NVIDIA_VISIBLE_DEVICES=void: an MPS claim's CUDA_MPS_* settings.
+    env: tuple[tuple[str, str], ...] = ()
 
 
 def common_edits(
@@ -192,7 +194,7 @@ def claim_spec(
             share = f" (share {device.share_id})" if device.share_id else ""
             raise ValueError(f"claim {claim_uid}: device {device.name!r}{share} is listed twice")
         seen.add(name)
-    _check_env_is_unambiguous(claim_uid, devices)
+    _check_env_is_unambiguous(claim_uid, devices, common.env)
 
     spec: dict[str, Any] = {
         "kind": cdi_kind(driver_name),
@@ -205,7 +207,7 @@ def claim_spec(
         ],
         "containerEdits": _without_empty(
             {
-                "env": [f"{name}={value}" for name, value in CLAIM_ENV],
+                "env": [f"{name}={value}" for name, value in (*CLAIM_ENV, *common.env)],
                 "deviceNodes": [_device_node(node) for node in common.device_nodes],
                 "mounts": [_mount(mount) for mount in common.mounts],
                 "hooks": [_hook(hook) for hook in common.hooks],
@@ -235,14 +237,18 @@ def _device_env(device: CdiDevice) -> tuple[tuple[str, str], ...]:
     return (*own, *device.env)
 
 
-def _check_env_is_unambiguous(claim_uid: str, devices: Sequence[CdiDevice]) -> None:
+def _check_env_is_unambiguous(
+    claim_uid: str, devices: Sequence[CdiDevice], claim_env: Sequence[tuple[str, str]] = ()
+) -> None:
     """Refuse env that would depend on which devices a container got, or on their order.
 
     The runtime lets a later duplicate NAME win, so two devices of one claim may
     share a variable only with the same value, and no device may override the
     claim-level variables.
     """
-    values: dict[str, tuple[str, str]] = {name: (value, "the claim") for name, value in CLAIM_ENV}
+    values: dict[str, tuple[str, str]] = {
+        name: (value, "the claim") for name, value in (*CLAIM_ENV, *claim_env)
+    }
     for device in devices:
         for name, value in _device_env(device):
             if not _ENV_NAME.fullmatch(name):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from dra_driver.devices.types import Inventory, MigDevice, Placement
+from dra_driver.devices.types import ComputePolicy, Inventory, MigDevice, Placement
 
 
 class DeviceError(Exception):
@@ -43,6 +43,14 @@ class Backend(Protocol):
         Where MIG mode switches without a reset, switches it off again once the GPU
         has no MIG device left, so the full GPU is usable again.
         """
+        ...
+
+    def compute_policy(self, gpu_uuid: str) -> ComputePolicy:
+        """The full GPU's compute mode and time slice as they are now."""
+        ...
+
+    def set_compute_policy(self, gpu_uuid: str, policy: ComputePolicy) -> None:
+        """Set the full GPU's compute mode, then its time slice; on failure the GPU is left as it was."""
         ...
 
     def close(self) -> None:

@@ -55,7 +55,17 @@ from dra_driver.devices.naming import (
     normalize_pci_bus_id,
     split_pci_device_id,
 )
-from dra_driver.devices.types import DeviceNode, FabricInfo, Gpu, Inventory, MigDevice, MigProfile, Placement
+from dra_driver.devices.nvml_policy import NvmlComputePolicy
+from dra_driver.devices.types import (
+    ComputePolicy,
+    DeviceNode,
+    FabricInfo,
+    Gpu,
+    Inventory,
+    MigDevice,
+    MigProfile,
+    Placement,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -143,8 +153,8 @@ class NvmlBackend:
         self._last_read: dict[int, Gpu] = {}  # by NVML index, from the last inventory
         self._owned_in_memory: set[str] = set()  # without a state directory
         self._mig_mode_switches = 0
-        if driver_root is not None:
-            _preload_nvml(driver_root)
+        library = _preload_nvml(driver_root) if driver_root is not None else None
+        self._policy = NvmlComputePolicy(driver_root or Path("/"), library, state_dir)
         try:
             self._bounded("starting NVML", pynvml.nvmlInit)
         except pynvml.NVMLError as e:
@@ -181,6 +191,18 @@ class NvmlBackend:
         self._bounded(
             f"destroying MIG device {mig_uuid} on GPU {parent_uuid}",
             lambda: self._destroy_mig_device(parent_uuid, mig_uuid),
+        )
+
+    def compute_policy(self, gpu_uuid: str) -> ComputePolicy:
+        return self._bounded(
+            f"reading the compute policy of GPU {gpu_uuid}",
+            lambda: self._policy.read(self._handle(gpu_uuid), gpu_uuid),
+        )
+
+    def set_compute_policy(self, gpu_uuid: str, policy: ComputePolicy) -> None:
+        self._bounded(
+            f"setting the compute policy of GPU {gpu_uuid}",
+            lambda: self._policy.set(self._handle(gpu_uuid), gpu_uuid, policy),
         )
 
     def close(self) -> None:
@@ -774,7 +796,7 @@ class NvmlBackend:
 NVML_SONAME = "libnvidia-ml.so.1"
 
 
-def _preload_nvml(driver_root: Path) -> None:
+def _preload_nvml(driver_root: Path) -> Path | None:
     """Load ``libnvidia-ml.so.1`` from the driver root, where no library path points.
 
     pynvml opens the library by its soname; once a library of that soname is loaded, the
@@ -782,11 +804,12 @@ def _preload_nvml(driver_root: Path) -> None:
     """
     found = find_in(driver_root, LIBRARY_DIRS, NVML_SONAME)
     if found is None:
-        return  # left to the library path; nvmlInit says what is missing
+        return None  # left to the library path; nvmlInit says what is missing
     try:
         ctypes.CDLL(str(driver_root / found), mode=ctypes.RTLD_GLOBAL)
     except OSError as e:
         raise DeviceError(f"cannot load {driver_root / found}: {e}; check the driver root") from e
+    return driver_root / found
 
 
 _ADDRESSING_MODES = {

@@ -42,6 +42,9 @@ class SimGpu(_Record):
     mig_enabled: bool = False
     busy: bool = False  # processes use the full GPU: MIG mode cannot be switched on
     xids: list[int] = Field(default_factory=list)  # injected Xid events, oldest first
+    compute_mode: str = "Default"  # a ComputeMode value
+    time_slice: str = "Default"  # a TimeSlice value
+    mps_broken: bool = False  # an MPS server cannot start on this GPU (the `simulate mps` fault)
     mig_devices: list[SimMigDevice] = Field(default_factory=list)
 
 

@@ -39,7 +39,17 @@ from dra_driver.devices.backend import DeviceError, DeviceInUseError, PlacementU
 from dra_driver.devices.catalog import GpuModel
 from dra_driver.devices.sim_nodes import NVIDIA_MAJOR, NodeProfile, node_gpus, node_profile, profile_fabric
 from dra_driver.devices.sim_state import SimGpu, SimMigDevice, SimState, StateFile
-from dra_driver.devices.types import DeviceNode, Gpu, Inventory, MigDevice, MigProfile, Placement
+from dra_driver.devices.types import (
+    ComputeMode,
+    ComputePolicy,
+    DeviceNode,
+    Gpu,
+    Inventory,
+    MigDevice,
+    MigProfile,
+    Placement,
+    TimeSlice,
+)
 
 DRIVER_VERSION = "580.95.05"
 CUDA_DRIVER_VERSION = (13, 0)
@@ -179,6 +189,28 @@ class SimulatedBackend:
             if not sim.mig_devices and not model.mig_mode_change_requires_reset:
                 sim.mig_enabled = False  # as NVML would be told to: the full GPU is usable again
 
+    def compute_policy(self, gpu_uuid: str) -> ComputePolicy:
+        gpu, _ = self._find(gpu_uuid)
+        sim = self._reading().gpus.get(gpu.uuid)
+        if sim is None:
+            return ComputePolicy()
+        return ComputePolicy(ComputeMode(sim.compute_mode), TimeSlice(sim.time_slice))
+
+    def set_compute_policy(self, gpu_uuid: str, policy: ComputePolicy) -> None:
+        """As ``nvidia-smi -c`` and ``nvidia-smi compute-policy --set-timeslice`` would.
+
+        A GPU in MIG mode keeps the default time slice: its MIG devices time-slice with a fixed one.
+        """
+        gpu, _ = self._find(gpu_uuid)
+        with self._changing() as state:
+            sim = state.gpu(gpu.uuid)
+            if policy.time_slice is not TimeSlice.DEFAULT and sim.mig_enabled:
+                raise DeviceError(
+                    f"GPU {gpu.uuid} is in MIG mode, where the time slice cannot be set (Not Supported)"
+                )
+            sim.compute_mode = policy.compute_mode.value
+            sim.time_slice = policy.time_slice.value
+
     def close(self) -> None:
         """Nothing to release: all state is in the file."""
 
@@ -233,6 +265,17 @@ class SimulatedBackend:
             if device is None:
                 raise DeviceError(f"no GPU or MIG device {device_uuid} on simulated node {self.node_name}")
             device.busy = busy
+
+    def set_mps_broken(self, gpu: str | int, broken: bool) -> None:
+        """Make an MPS server fail to start on a GPU (a fault for tests), or work again."""
+        target, _ = self._resolve(gpu)
+        with self._changing() as state:
+            state.gpu(target.uuid).mps_broken = broken
+
+    def mps_broken(self, gpu_uuid: str) -> bool:
+        """Whether an MPS server fails to start on the GPU (see :meth:`set_mps_broken`)."""
+        sim = self._reading().gpus.get(gpu_uuid)
+        return sim is not None and sim.mps_broken
 
     def inject_xid(self, gpu: str | int, xid: int) -> None:
         """Record an Xid event on a GPU, as the kernel driver would report it."""

@@ -163,3 +163,42 @@ class HealthState(Enum):
     HEALTHY = "Healthy"
     UNHEALTHY = "Unhealthy"
     UNKNOWN = "Unknown"
+
+
+class ComputeMode(Enum):
+    """``nvmlComputeMode_t``: how many CUDA contexts a GPU accepts (``nvidia-smi -c``)."""
+
+    DEFAULT = "Default"  # any number of contexts, time-sliced: NVML_COMPUTEMODE_DEFAULT (0)
+    PROHIBITED = "Prohibited"  # no context at all: NVML_COMPUTEMODE_PROHIBITED (2)
+    EXCLUSIVE_PROCESS = (
+        "ExclusiveProcess"  # one process (an MPS server): NVML_COMPUTEMODE_EXCLUSIVE_PROCESS (3)
+    )
+
+
+class TimeSlice(Enum):
+    """The GPU's time-slice setting (``nvidia-smi compute-policy --set-timeslice 0..3``)."""
+
+    DEFAULT = "Default"
+    SHORT = "Short"
+    MEDIUM = "Medium"
+    LONG = "Long"
+
+    @property
+    def level(self) -> int:
+        """The number ``nvidia-smi compute-policy --set-timeslice`` takes: 0 (Default) to 3 (Long)."""
+        return list(TimeSlice).index(self)
+
+
+@dataclass(frozen=True)
+class ComputePolicy:
+    """What decides how processes share a full GPU: its compute mode and its time slice."""
+
+    compute_mode: ComputeMode = ComputeMode.DEFAULT
+    time_slice: TimeSlice = TimeSlice.DEFAULT
+
+    def as_dict(self) -> dict[str, str]:
+        return {"computeMode": self.compute_mode.value, "timeSlice": self.time_slice.value}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, str]) -> ComputePolicy:
+        return cls(ComputeMode(data["computeMode"]), TimeSlice(data["timeSlice"]))

@@ -91,12 +91,35 @@ class DeviceRecord(_Record):
     mig: MigRecord | None = None  # set when prepare creates the device (dynamic MIG)
 
 
+class GpuPolicyRecord(_Record):
+    """A full GPU whose compute mode and time slice the claim set, and what to put back.
+
+    Recorded with PrepareStarted, before the GPU is changed: after a crash in between, the
+    unprepare (or the next prepare) still knows what the GPU had.
+    """
+
+    gpu_uuid: str
+    compute_mode: str  # a ComputeMode value: what the claim sets
+    time_slice: str  # a TimeSlice value
+    previous_compute_mode: str  # what the GPU had before the first claim that changed it
+    previous_time_slice: str
+
+
+class SharingRecord(_Record):
+    """What sharing changed on the node for a claim: GPU settings and the MPS control daemon."""
+
+    gpus: tuple[GpuPolicyRecord, ...] = ()
+    mps_daemon: str | None = None  # the id of the claim's MPS control daemon
+
+
 class ClaimRecord(_Record):
     namespace: str  # empty when recovered from a CDI spec
     name: str
     phase: Phase
     attempt: str  # unique per prepare attempt: tells a live attempt from a leftover
     devices: tuple[DeviceRecord, ...]
+    # TimeSlicing or MPS applied on the GPU; left out of the file when none (most claims).
+    sharing: SharingRecord | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class Checkpoint(_Record):

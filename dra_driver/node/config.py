@@ -174,6 +174,7 @@ def decode_entry(entry: OpaqueConfig) -> Decoded:
     if not isinstance(parameters, Mapping):
         raise ConfigError(f"{entry.describe()}: parameters must be a JSON object with apiVersion and kind")
     api_version, kind = parameters.get("apiVersion"), parameters.get("kind")
+    _check_no_mig_time_slice(entry, parameters)
     per_device: Mapping[str, str] = {}
     if api_version == nvidia_config.NVIDIA_API_VERSION:
         try:
@@ -197,6 +198,20 @@ def decode_entry(entry: OpaqueConfig) -> Decoded:
     except ValidationError as error:
         raise ConfigError(f"{entry.describe()}: {describe_errors(error)}") from None
     return Decoded(config, per_device)
+
+
+def _check_no_mig_time_slice(entry: OpaqueConfig, parameters: Mapping[str, Any]) -> None:
+    """A time slice for a MIG device: refused with the reason, not as an unknown field."""
+    sharing = parameters.get("sharing")
+    if parameters.get("kind") != "MigDeviceConfig" or not isinstance(sharing, Mapping):
+        return
+    for name in ("timeSlicing", "timeSlicingConfig"):
+        if name in sharing:
+            raise ConfigError(
+                f"{entry.describe()}: sharing.{name}: a MIG device's time slice cannot be set (the "
+                "hardware time-slices the processes on one MIG device with a fixed slice); remove it, "
+                "or ask for a full GPU with a GpuConfig"
+            )
 
 
 def config_json(config: DeviceConfig) -> dict[str, Any]:

@@ -53,7 +53,7 @@ import structlog
 
 from dra_driver.cdi.spec import CommonEdits
 from dra_driver.cdi.store import SpecStore
-from dra_driver.devices.backend import Backend
+from dra_driver.devices.backend import Backend, DeviceError
 from dra_driver.devices.types import Gpu, Inventory, MigDevice
 from dra_driver.node.checkpoint import (
     Checkpoint,
@@ -61,6 +61,7 @@ from dra_driver.node.checkpoint import (
     DeviceRecord,
     LoadedCheckpoint,
     MigRecord,
+    SharingRecord,
     read_boot_id,
 )
 from dra_driver.node.claim_fetcher import ClaimFetcher, ClaimFetchError
@@ -71,6 +72,9 @@ from dra_driver.node.mig_ledger import MIG_LEDGER_DIR, MigLedger
 from dra_driver.node.partitioner import Partitioner, PartitionError
 from dra_driver.node.plan import ClaimPlan, MigPlacement, plan_claim
 from dra_driver.node.recovery import starting_state
+from dra_driver.node.sharing.applier import SharingApplier, SharingError
+from dra_driver.node.sharing.mps import MpsDaemonError, MpsDaemons
+from dra_driver.node.sharing.policy import NO_SHARING, SharingPlan, sharing_plan
 from dra_driver.node.state import Complete, MutationRejected, Progress, Release, Reserve
 from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice, PrepareOutcome
 from dra_driver.resources.devices import PartitionPolicy, partition_all
@@ -86,6 +90,9 @@ _CLAIM_ERRORS = (
     MutationRejected,
     CheckpointWriteError,
     PartitionError,
+    SharingError,
+    MpsDaemonError,
+    DeviceError,
     OSError,
 )
 
@@ -130,6 +137,7 @@ class NodePreparer:
         observer: PrepareObserver | None = None,
         on_prepared: Callable[[ClaimRef, tuple[PreparedDevice, ...]], None] | None = None,
         on_unprepared: Callable[[ClaimRef], None] | None = None,
+        mps: MpsDaemons | None = None,
     ) -> None:
         self._driver = driver_name
         self._pool = node_name
@@ -149,11 +157,13 @@ class NodePreparer:
         self._ledger = MigLedger(checkpoint_path.with_name(MIG_LEDGER_DIR))
         self._partitioner = Partitioner(backend, self._ledger, on_inventory_changed)
         self._in_flight: set[asyncio.Task[Any]] = set()  # claim operations still running
+        self._sharing = SharingApplier(backend, mps)
 
     async def start(self) -> None:
         """Load the checkpoint (repairing it after a reboot, damage or a crash); call once before serving."""
         boot_id = await asyncio.to_thread(read_boot_id, self._boot_id_path)
         await self._journal.open(boot_id, self._starting_state)
+        await self._sharing.stop_leftover_daemons(self._journal.state)
         log.info(
             "prepared claims loaded", claims=len(self._journal.state.claims), path=str(self._journal.path)
         )
@@ -291,22 +301,28 @@ class NodePreparer:
                 mig_holders=self._mig_holders(),
                 consumable=self._consumable,
             )
-            record = ClaimRecord(
-                namespace=ref.namespace,
-                name=ref.name,
-                phase="PrepareCompleted" if not plan.to_create else "PrepareStarted",
-                attempt=secrets.token_hex(8),
-                devices=_device_records(plan),
-            )
-            reserve = Reserve(ref.uid, record, replaces=existing.attempt if existing else None)
-            if plan.to_create:
-                await self._journal.commit(reserve)
-            else:
-                await self._write_spec_and_commit(ref.uid, plan, reserve)
+            sharing = sharing_plan(plan)
+            # Sharing and MIG devices to create take steps, each recorded before it is taken.
+            in_steps = bool(plan.to_create) or sharing.changes_anything
+            async with self._sharing.lock:
+                record = ClaimRecord(
+                    namespace=ref.namespace,
+                    name=ref.name,
+                    phase="PrepareStarted" if in_steps else "PrepareCompleted",
+                    attempt=secrets.token_hex(8),
+                    devices=_device_records(plan),
+                    sharing=await self._sharing.record(ref.uid, plan, sharing, existing, self._journal.state),
+                )
+                reserve = Reserve(ref.uid, record, replaces=existing.attempt if existing else None)
+                if in_steps:
+                    await self._journal.commit(reserve)
+                else:
+                    await self._write_spec_and_commit(ref.uid, plan, reserve)
             if existing is not None:
                 log.info("replaced an earlier record of the claim", phase=existing.phase)
                 await self._destroy_replaced(existing, record)
-            completed = await self._complete(ref.uid, plan, record) if plan.to_create else record
+                await self._undo_replaced_sharing(ref.uid, existing, record)
+            completed = await self._complete(ref.uid, plan, record, sharing) if in_steps else record
             log.info("claim prepared", devices=[d.device for d in completed.devices])
             return _prepared_devices(completed)
 
@@ -342,8 +358,25 @@ class NodePreparer:
         if replaced:
             await self._partitioner.changed()
 
-    async def _complete(self, uid: str, plan: ClaimPlan, reserved: ClaimRecord) -> ClaimRecord:
-        """The side effects after the reservation; undone (MIG devices, spec, record) when one fails."""
+    async def _undo_replaced_sharing(self, uid: str, old: ClaimRecord, new: ClaimRecord) -> None:
+        """Undo the sharing an earlier attempt applied that the new record does not hold."""
+        if old.sharing is None:
+            return
+        kept = {g.gpu_uuid for g in new.sharing.gpus} if new.sharing else set()
+        daemon = new.sharing.mps_daemon if new.sharing else None
+        replaced = SharingRecord(
+            gpus=tuple(g for g in old.sharing.gpus if g.gpu_uuid not in kept),
+            mps_daemon=old.sharing.mps_daemon if old.sharing.mps_daemon != daemon else None,
+        )
+        try:
+            await self._sharing.undo(uid, replaced, self._journal.state)
+        except SharingError as error:
+            log.error("sharing an earlier attempt applied could not be undone", error=str(error))
+
+    async def _complete(
+        self, uid: str, plan: ClaimPlan, reserved: ClaimRecord, sharing: SharingPlan = NO_SHARING
+    ) -> ClaimRecord:
+        """The side effects after the reservation; undone (sharing, MIG devices, spec, record) on failure."""
         record = reserved
         created: list[tuple[str, MigDevice]] = []  # by this attempt, oldest first
         recorded = 0  # how many of them the record on disk names
@@ -357,6 +390,7 @@ class NodePreparer:
                 recorded += 1
             if created:
                 await self._partitioner.changed()
+            plan = await self._sharing.apply(plan, sharing, record.sharing)
             await asyncio.to_thread(self._specs.write, uid, plan.cdi_spec)
             completed = record.model_copy(update={"phase": "PrepareCompleted"})
             await self._journal.commit(Complete(uid, completed))
@@ -366,12 +400,19 @@ class NodePreparer:
             await self._destroy_created(created[recorded:])
             raise
         except BaseException:
-            await self._undo(uid, reserved.attempt, created)
+            await self._undo(uid, reserved.attempt, created, reserved.sharing)
             raise
         return completed
 
-    async def _undo(self, uid: str, attempt: str, created: Sequence[tuple[str, MigDevice]]) -> None:
+    async def _undo(
+        self,
+        uid: str,
+        attempt: str,
+        created: Sequence[tuple[str, MigDevice]],
+        sharing: SharingRecord | None = None,
+    ) -> None:
         try:
+            await self._sharing.undo(uid, sharing, self._journal.state)
             all_destroyed = await self._destroy_created(created)
             await asyncio.to_thread(self._specs.remove, uid)
             if all_destroyed:
@@ -398,8 +439,12 @@ class NodePreparer:
         check_ref(ref)
         async with self._locks.hold(ref.uid):
             # Fresh from disk: during a rolling update the other instance may have prepared it.
-            record = (await self._journal.refresh()).claims.get(ref.uid)
+            state = await self._journal.refresh()
+            record = state.claims.get(ref.uid)
+            if record is None or record.phase == "Recovered":
+                await self._sharing.stop_daemons_of(ref.uid)  # the record of its daemon was lost
             if record is not None:
+                await self._sharing.undo(ref.uid, record.sharing, state)
                 await self._destroy_recorded(ref.uid, record)
             # The spec goes first: as long as it exists, so does the record (see recovery).
             await asyncio.to_thread(self._specs.remove, ref.uid)

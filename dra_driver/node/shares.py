@@ -13,11 +13,14 @@ A share is enforced with MPS. Its effective config becomes strategy ``MPS`` with
 * ``defaultActiveThreadPercentage`` = the consumed SMs as a percentage of the GPU's,
   rounded up (none when the share asked for no SMs: it shares all of them),
 
-so that whatever prepares MPS for a claim prepares the share's limits too. A claim config
-may ask for MPS with tighter limits, never for looser ones, nor for another strategy: a
-share that is not limited would eat its neighbours' memory. Several shares of one GPU in
-one claim are pooled: the claim's limits on that GPU are their sum, because every
-container of the claim is a client of the same MPS setup.
+so that whatever prepares MPS for a claim prepares the share's limits too
+(:mod:`dra_driver.node.sharing`: the shares of one GPU are clients of one MPS control
+daemon per GPU, each container with its share's limits). A claim config may ask for MPS
+with tighter limits, never for looser ones. It may also ask for ``TimeSlicing``: the
+shares of that GPU then trust each other, nothing limits their memory, and every share
+of the GPU must ask for the same interval (one time slice per GPU). Several shares of
+one GPU in one claim are pooled: the claim's limits on that GPU are their sum, because
+every container of the claim gets the same MPS client settings.
 
 A share that leaves no room for another (a claim that asked for no memory takes the
 policy's default, all of it) is the GPU itself: it is prepared as a full GPU, with the
@@ -111,10 +114,7 @@ def share_config(device: str, gpu: Gpu, share: Share, config: GpuConfig, configu
     percentage = share.thread_percentage(gpu)
     where = f"device {device} is a share of {_gib(memory)} (shareID {share.share_id}), isolated with MPS"
     if sharing.strategy == "TimeSlicing":
-        raise ClaimRejected(
-            f"{where}; {configured} asks for TimeSlicing, which would not limit it: drop the sharing "
-            "config or use strategy MPS"
-        )
+        return config  # asked for: time-sliced, its memory not limited (see the module doc)
     mps = sharing.mps or Mps()
     if mps.default_pinned_device_memory_limit is not None:
         asked = quantity_bytes(mps.default_pinned_device_memory_limit)

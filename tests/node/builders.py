@@ -11,12 +11,13 @@ from typing import Any
 
 from dra_driver.cdi.spec import common_edits
 from dra_driver.cdi.store import SpecStore
-from dra_driver.devices.simulated import SimulatedBackend
+from dra_driver.devices.simulated import STATE_FILE_NAME, SimulatedBackend
 from dra_driver.node.checkpoint import Checkpoint
 from dra_driver.node.checkpoint_log import read_state
 from dra_driver.node.claim_fetcher import ClaimFetcher
 from dra_driver.node.config import API_VERSION
 from dra_driver.node.preparer import NodePreparer
+from dra_driver.node.sharing.mps_local import LocalMpsDaemons
 from dra_driver.node.types import ClaimRef
 
 DRIVER = "gpu.dra-driver.dev"
@@ -137,6 +138,16 @@ class Node:
         return self.root / "boot_id"
 
     @property
+    def mps(self) -> LocalMpsDaemons:
+        """The node's stand-in MPS control daemons (processes), under ``root/mps``."""
+        return LocalMpsDaemons(self.root / "mps", self.root / "sim" / STATE_FILE_NAME)
+
+    def stop_mps_daemons(self) -> None:
+        """End every stand-in daemon a test left running."""
+        for daemon in sorted(p.name for p in (self.root / "mps").glob("*")):
+            self.mps._stop(daemon)
+
+    @property
     def specs(self) -> SpecStore:
         return SpecStore(self.cdi_dir, DRIVER)
 
@@ -157,6 +168,7 @@ class Node:
             "checkpoint_path": self.checkpoint_path,
             "boot_id_path": self.boot_id_path,
             "observer": self.observer,
+            "mps": self.mps,
         }
         return NodePreparer(**(arguments | options))
 

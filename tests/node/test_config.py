@@ -115,7 +115,7 @@ def test_defaults_are_exclusive() -> None:
                 "kind": "MigDeviceConfig",
                 "sharing": {"strategy": "TimeSlicing", "timeSlicing": {}},
             },
-            "sharing.timeSlicing: Extra inputs are not permitted",
+            "sharing.timeSlicing: a MIG device's time slice cannot be set",
         ),
         (
             {"apiVersion": "resource.nvidia.com/v1", "kind": "GpuConfig"},

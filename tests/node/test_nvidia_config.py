@@ -109,7 +109,7 @@ def test_nvidia_config_means_the_same_in_our_api(parameters: dict[str, Any], our
         ),
         (
             nvidia("MigDeviceConfig", {"strategy": "TimeSlicing", "timeSlicingConfig": {}}),
-            "sharing.timeSlicingConfig: Extra inputs are not permitted",
+            "sharing.timeSlicingConfig: a MIG device's time slice cannot be set",
         ),
         (nvidia(metadata={"name": "x"}), "metadata: Extra inputs are not permitted"),
         (

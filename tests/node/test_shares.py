@@ -161,11 +161,33 @@ async def test_an_mps_config_may_tighten_a_share_but_not_loosen_it(node: Node) -
     assert env["DRA_GPU_MPS_PINNED_DEVICE_MEMORY_LIMIT_GPU_0"] == str(8 * GIB)
     assert isinstance(outcomes[loose.uid], ClaimError)
     assert "defaultPinnedDeviceMemoryLimit 12Gi, more than the share" in outcomes[loose.uid].message
+    assert ref_not_prepared(node, loose.uid)
+    # TimeSlicing was asked for explicitly: no limits, but not beside MPS shares of the same GPU.
     assert isinstance(outcomes[sliced.uid], ClaimError)
-    assert "asks for TimeSlicing, which would not limit it" in outcomes[sliced.uid].message
-    for ref in (loose, sliced):
-        assert ref.uid not in node.on_disk().claims
-        assert not node.specs.path_for(ref.uid).exists()
+    assert "its GPU is already set to MPS (compute mode ExclusiveProcess)" in outcomes[sliced.uid].message
+    assert ref_not_prepared(node, sliced.uid)
+
+
+async def test_a_share_may_ask_for_time_slicing_and_is_then_not_limited(node: Node) -> None:
+    preparer = await node.started(consumable=True)
+    ref = new_ref()
+    node.allocate(
+        ref,
+        "gpu-1",
+        share_id=share_id(),
+        consumed={"memory": "10Gi"},
+        configs=[opaque(gpu_config({"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}}))],
+    )
+
+    await preparer.prepare([ref])
+
+    (env,) = device_env(node, ref.uid).values()
+    assert env["DRA_GPU_SHARING_STRATEGY_GPU_1"] == "TimeSlicing"
+    assert "DRA_GPU_MPS_PINNED_DEVICE_MEMORY_LIMIT_GPU_1" not in env
+
+
+def ref_not_prepared(node: Node, uid: str) -> bool:
+    return uid not in node.on_disk().claims and not node.specs.path_for(uid).exists()
 
 
 async def test_a_share_that_does_not_fit_the_policy_is_refused_clearly(node: Node) -> None:
@@ -267,3 +289,64 @@ async def test_a_share_survives_a_lost_checkpoint(node: Node, tmp_path: Path) ->
     (recovered,) = node.on_disk().claims[ref.uid].devices
     assert (recovered.device, recovered.share_id) == ("gpu-0", share)
     assert not isinstance((await restarted.prepare([neighbour]))[neighbour.uid], ClaimError)
+
+
+def claim_env(node: Node, uid: str) -> dict[str, str]:
+    return dict(v.split("=", 1) for v in spec(node, uid)["containerEdits"]["env"])
+
+
+def gpu_uuid(node: Node, minor: int) -> str:
+    return next(gpu.uuid for gpu in node.backend.inventory().gpus if gpu.minor == minor)
+
+
+async def test_shares_of_one_gpu_are_clients_of_one_mps_daemon_each_with_its_limits(node: Node) -> None:
+    preparer = await node.started(consumable=True)
+    small, large = new_ref("small"), new_ref("large")
+    node.allocate(small, "gpu-0", share_id=share_id(), consumed={"memory": "10Gi", "multiprocessors": "33"})
+    node.allocate(large, "gpu-0", share_id=share_id(), consumed={"memory": "30Gi", "multiprocessors": "66"})
+
+    outcomes = await preparer.prepare([small, large])
+
+    assert not any(isinstance(o, ClaimError) for o in outcomes.values()), outcomes
+    daemons = {node.on_disk().claims[r.uid].sharing.mps_daemon for r in (small, large)}  # type: ignore[union-attr]
+    (daemon,) = daemons  # one per GPU: a GPU in ExclusiveProcess mode runs one MPS server
+    assert daemon is not None
+    assert node.mps.pid(daemon) is not None
+    uuid = gpu_uuid(node, 0)
+    assert claim_env(node, small.uid)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{uuid}=10240M"
+    assert claim_env(node, small.uid)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+    assert claim_env(node, large.uid)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{uuid}=30720M"
+    assert claim_env(node, large.uid)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    assert node.backend.compute_policy(uuid).compute_mode.value == "ExclusiveProcess"
+
+    assert (await preparer.unprepare([small]))[small.uid] is None
+    assert node.mps.pid(daemon) is not None  # the other share still uses it
+    assert (await preparer.unprepare([large]))[large.uid] is None
+    assert node.mps.pid(daemon) is None
+    assert node.backend.compute_policy(uuid).compute_mode.value == "Default"
+
+
+async def test_shares_of_a_gpu_beside_other_mps_devices_in_one_claim_are_refused(node: Node) -> None:
+    preparer = await node.started(consumable=True)
+    ref = new_ref()
+    node.claims.put(
+        {
+            "metadata": {"namespace": ref.namespace, "name": ref.name, "uid": ref.uid},
+            "status": {
+                "allocation": {
+                    "devices": {
+                        "results": [
+                            result("gpu-0", "a", share_id=share_id(), consumed={"memory": "10Gi"}),
+                            result("gpu-1", "b", share_id=share_id(), consumed={"memory": "10Gi"}),
+                        ]
+                    }
+                }
+            },
+        }
+    )
+
+    (outcome,) = (await preparer.prepare([ref])).values()
+
+    assert isinstance(outcome, ClaimError)
+    assert "put the shares in a claim of their own" in outcome.message
+    assert ref_not_prepared(node, ref.uid)
