@@ -164,7 +164,7 @@ class Settings(BaseSettings):
         Field(
             description="Publish full GPUs as shareable (allowMultipleAllocations): claims ask "
             "capacity.requests.memory (and multiprocessors), the scheduler packs them onto one GPU and "
-            "each share is limited through MPS (docs/sharing.md)."
+            "each share is limited through MPS (docs/consumable-capacity.md)."
         ),
     ] = False
     node_labels: Annotated[

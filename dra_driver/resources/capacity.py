@@ -22,7 +22,10 @@ The defaults are chosen so that nothing changes for claims that do not ask for c
 * multiprocessors defaults to 0, meaning "no compute limit": a share that asks only for
   memory must not take every SM, or no second share would fit. A share that asks for SMs
   reserves them against the other shares and gets an MPS active thread percentage
-  (:mod:`dra_driver.node.shares`).
+  (:mod:`dra_driver.node.shares`);
+* every other capacity (the copy engines, decoders, ... of a MIG-capable GPU) defaults to 0
+  too, with a range up to its value: a capacity without a policy is consumed whole by every
+  allocation, so one share would take them all and no second share would fit.
 
 A request the policy cannot satisfy (more memory than ``<max>``, more SMs than the GPU
 has) makes the GPU ineligible for that claim: the scheduler reports the claim as not
@@ -77,9 +80,20 @@ def share_policy(gpu: Gpu) -> SharePolicy | None:
     )
 
 
-def consumable_capacity(policy: SharePolicy) -> dict[str, DeviceCapacity]:
-    """The ``memory`` and ``multiprocessors`` capacities with their request policies."""
-    return {
+def consumable_capacity(
+    policy: SharePolicy, capacity: Mapping[str, DeviceCapacity]
+) -> dict[str, DeviceCapacity]:
+    """The GPU's ``capacity``, each with its request policy (see the module doc)."""
+    others: dict[str, DeviceCapacity] = {
+        name: {
+            "value": value["value"],
+            # No step: min + step may not exceed the value, and an engine count may be 0.
+            "requestPolicy": {"default": "0", "validRange": {"min": "0", "max": value["value"]}},
+        }
+        for name, value in capacity.items()
+        if name not in (MEMORY, MULTIPROCESSORS)
+    }
+    return others | {
         MEMORY: {
             "value": str(policy.memory_bytes),
             "requestPolicy": {

@@ -247,7 +247,7 @@ def shareable(gpu: Gpu, device: Device) -> Device:
         return device
     return {
         **device,
-        "capacity": {**device["capacity"], **consumable_capacity(policy)},
+        "capacity": consumable_capacity(policy, device["capacity"]),
         "allowMultipleAllocations": True,
     }
 

@@ -38,6 +38,26 @@ def test_a_shareable_gpu_publishes_memory_and_sms_with_request_policies() -> Non
     }
 
 
+def test_every_other_capacity_is_not_reserved_by_a_share() -> None:
+    """Without a policy an allocation consumes a capacity whole, and no second share would fit."""
+    (gpu,) = build_devices(inventory(h100()), consumable=True)
+    capacity = next(d for d in gpu.devices if d["name"] == "gpu-0")["capacity"]
+    assert set(capacity) == {
+        "memory",
+        "multiprocessors",
+        "copyEngines",
+        "decoders",
+        "encoders",
+        "jpegEngines",
+        "ofaEngines",
+    }
+    assert capacity["ofaEngines"] == {
+        "value": "1",
+        "requestPolicy": {"default": "0", "validRange": {"min": "0", "max": "1"}},
+    }
+    assert all("requestPolicy" in value for value in capacity.values())
+
+
 def test_a_partitioned_gpu_stays_shareable_and_keeps_its_counters() -> None:
     (gpu,) = build_devices(inventory(h100()), consumable=True)
     devices = {device["name"]: device for device in gpu.devices}
