@@ -96,12 +96,12 @@ def consumable_capacity(
     return others | {
         MEMORY: {
             "value": str(policy.memory_bytes),
-            "requestPolicy": {
-                "default": str(policy.memory_default),
+            "requestPolicy": {  # in GiB, as users write their requests (all are whole GiB)
+                "default": _gib(policy.memory_default),
                 "validRange": {
-                    "min": str(policy.memory_min),
-                    "max": str(policy.memory_max),
-                    "step": str(policy.memory_step),
+                    "min": _gib(policy.memory_min),
+                    "max": _gib(policy.memory_max),
+                    "step": _gib(policy.memory_step),
                 },
             },
         },

@@ -46,7 +46,7 @@ def test_inventory_with_consumable_capacity_shows_shareable_gpus() -> None:
     shareable = {d["name"] for d in devices if d.get("allowMultipleAllocations")}
     assert shareable == {f"gpu-{i}" for i in range(4)}
     policy = next(d for d in devices if d["name"] == "gpu-0")["capacity"]["memory"]["requestPolicy"]
-    assert policy["validRange"]["step"] == str(2**30)
+    assert policy["validRange"]["step"] == "1Gi"
     # The switch takes a value too, and the environment sets it as well.
     off = dra_driver("inventory", "--simulate", "l4x4", "--consumable-capacity", "false")
     assert off.returncode == 0, off.stderr

@@ -27,10 +27,7 @@ def test_a_shareable_gpu_publishes_memory_and_sms_with_request_policies() -> Non
     assert device["capacity"]["memory"] == {
         "value": str(H100_BYTES),
         # The default is everything one allocation may take: a claim that asks for no memory gets the GPU.
-        "requestPolicy": {
-            "default": str(79 * GIB),
-            "validRange": {"min": str(GIB), "max": str(79 * GIB), "step": str(GIB)},
-        },
+        "requestPolicy": {"default": "79Gi", "validRange": {"min": "1Gi", "max": "79Gi", "step": "1Gi"}},
     }
     assert device["capacity"]["multiprocessors"] == {
         "value": "132",
