@@ -115,6 +115,7 @@ def desired_slices(
             owned_mig_uuids=owned_mig_uuids,
             taints=taints,
             maintenance=settings.maintenance_devices,
+            consumable=settings.consumable_capacity,
         ),
         counters_beside_devices=rules.counters_beside_devices,
     )
@@ -483,6 +484,7 @@ async def _serve(
         checkpoint_path=state_dir / CHECKPOINT_FILE,
         boot_id_path=settings.boot_id_file,
         partition=partition_policy(settings.mig_partitions),
+        consumable=settings.consumable_capacity,
         on_inventory_changed=watch.deliver,  # MIG devices created or destroyed: publish now
         observer=metrics,
         on_prepared=claim_status.prepared,

@@ -58,6 +58,7 @@ _INVENTORY_SETTINGS = [
     "simulate",
     "data_dir",
     "mig_partitions",
+    "consumable_capacity",
     "log_format",
     "log_level",
 ]

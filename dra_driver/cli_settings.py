@@ -34,11 +34,14 @@ def add_settings_flags(parser: argparse.ArgumentParser, fields: list[str] | None
             else None
         )
         default = info.default.value if isinstance(info.default, Enum) else info.default
+        # A switch may stand alone: `--consumable-capacity` is `--consumable-capacity true`.
+        switch: dict[str, Any] = {"nargs": "?", "const": "true"} if annotation is bool else {}
         parser.add_argument(
             flag_name(name),
             dest=name,
             default=argparse.SUPPRESS,
             choices=choices,
+            **switch,
             metavar=None if choices else name.split("_")[-1].upper(),
             help=f"{info.description} [env {env_name(name)}; default {default!s:.60}]",
         )

@@ -182,6 +182,14 @@ class Settings(BaseSettings):
             "admin-access claims may get (kubernetes/kubernetes#140729); false once the scheduler is fixed."
         ),
     ] = True
+    consumable_capacity: Annotated[
+        bool,
+        Field(
+            description="Publish full GPUs as shareable (allowMultipleAllocations): claims ask "
+            "capacity.requests.memory (and multiprocessors), the scheduler packs them onto one GPU and "
+            "each share is limited through MPS (docs/consumable-capacity.md)."
+        ),
+    ] = False
     node_labels: Annotated[
         bool,
         Field(

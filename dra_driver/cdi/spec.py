@@ -2,9 +2,12 @@
 
 Each prepared claim gets one transient spec of kind ``k8s.<driver>/claim`` whose
 devices are named ``<claimUID>-<device>``, so a CDI device id is never reused by a
-later claim. The kubelet hands every container the ids of exactly the devices it
-may use: all of the claim's devices, or only those of the requests the container
-names in ``resources.claims[].request``.
+later claim. A share of a device (consumable capacity) is named
+``<claimUID>-<device>-share-<shareID>``: two shares of one GPU in one claim are two
+CDI devices, and a name tells which share it is (recovery reads it back). The
+kubelet hands every container the ids of exactly the devices it may use: all of the
+claim's devices, or only those of the requests the container names in
+``resources.claims[].request``.
 
 How the runtime combines the edits decides what goes where:
 
@@ -96,6 +99,7 @@ class CdiDevice:
     device_nodes: tuple[DeviceNode, ...]  # the GPU node; for MIG the parent node + the two nvidia-caps nodes
     env: tuple[tuple[str, str], ...] = ()  # extra env for this device
     uuid: str = ""  # GPU or MIG uuid, announced as DRA_GPU_UUID_<DEVICE>
+    share_id: str | None = None  # a share of the device (consumable capacity): part of the CDI name
 
 
 @dataclass(frozen=True)
@@ -141,9 +145,21 @@ def cdi_kind(driver_name: str) -> str:
     return kind
 
 
-def cdi_device_id(driver_name: str, claim_uid: str, device: str) -> str:
+SHARE_SEPARATOR = "-share-"  # never part of a published device name
+
+
+def cdi_device_id(driver_name: str, claim_uid: str, device: str, share_id: str | None = None) -> str:
     """The fully qualified CDI device id the kubelet passes to the runtime for one device of a claim."""
-    return f"{cdi_kind(driver_name)}={_cdi_device_name(claim_uid, device)}"
+    return f"{cdi_kind(driver_name)}={_cdi_device_name(claim_uid, device, share_id)}"
+
+
+def device_of_cdi_name(claim_uid: str, name: str) -> tuple[str, str | None] | None:
+    """``<claimUID>-<device>[-share-<shareID>]`` -> (device, share id); None if not of this claim."""
+    prefix = f"{claim_uid}-"
+    if not name.startswith(prefix):
+        return None
+    device, separator, share_id = name[len(prefix) :].partition(SHARE_SEPARATOR)
+    return device, share_id if separator else None
 
 
 def check_claim_uid(claim_uid: str) -> None:
@@ -173,15 +189,20 @@ def claim_spec(
         raise ValueError(f"claim {claim_uid}: a CDI spec needs at least one device")
     seen: set[str] = set()
     for device in devices:
-        if device.name in seen:
-            raise ValueError(f"claim {claim_uid}: device {device.name!r} is listed twice")
-        seen.add(device.name)
+        name = _cdi_device_name(claim_uid, device.name, device.share_id)
+        if name in seen:
+            share = f" (share {device.share_id})" if device.share_id else ""
+            raise ValueError(f"claim {claim_uid}: device {device.name!r}{share} is listed twice")
+        seen.add(name)
     _check_env_is_unambiguous(claim_uid, devices, common.env)
 
     spec: dict[str, Any] = {
         "kind": cdi_kind(driver_name),
         "devices": [
-            {"name": _cdi_device_name(claim_uid, device.name), "containerEdits": _device_edits(device)}
+            {
+                "name": _cdi_device_name(claim_uid, device.name, device.share_id),
+                "containerEdits": _device_edits(device),
+            }
             for device in devices
         ],
         "containerEdits": _without_empty(
@@ -198,13 +219,15 @@ def claim_spec(
     return spec
 
 
-def _cdi_device_name(claim_uid: str, device: str) -> str:
+def _cdi_device_name(claim_uid: str, device: str, share_id: str | None = None) -> str:
     check_claim_uid(claim_uid)
-    if not _DNS_LABEL.fullmatch(device):
+    if not _DNS_LABEL.fullmatch(device) or SHARE_SEPARATOR in device:
         raise ValueError(
             f"device name {device!r} is not a DNS label (lower-case letters, digits and '-', at most 63)"
         )
-    name = f"{claim_uid}-{device}"
+    if share_id is not None and not _DNS_LABEL.fullmatch(share_id):
+        raise ValueError(f"share id {share_id!r} of device {device!r} is not a lower-case UUID")
+    name = f"{claim_uid}-{device}" + (f"{SHARE_SEPARATOR}{share_id}" if share_id is not None else "")
     check_device_name(name, field=f"CDI name of device {device!r}")
     return name
 

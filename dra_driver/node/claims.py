@@ -8,9 +8,11 @@ only the results for our driver in our pool (one pool per node, named after the 
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from enum import Enum
 from typing import Any
 
@@ -62,7 +64,13 @@ class AllocationResult:
     pool: str
     device: str
     admin_access: bool = False
-    share_id: str | None = None
+    share_id: str | None = None  # set for a share of a device with allowMultipleAllocations
+    # What the share consumed (``consumedCapacity``), as whole numbers, by capacity name.
+    consumed: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def consumed_capacity(self) -> dict[str, int]:
+        return dict(self.consumed)
 
     @property
     def parent_request(self) -> str:
@@ -132,13 +140,56 @@ def _result(entry: Mapping[str, Any], pool: str) -> AllocationResult:
     if not isinstance(request, str) or not request or not isinstance(device, str) or not device:
         raise ClaimRejected(f"malformed allocation result {dict(entry)!r}: request and device are required")
     share_id = entry.get("shareID")
+    if share_id is not None and not (isinstance(share_id, str) and _SHARE_ID.fullmatch(share_id)):
+        raise ClaimRejected(
+            f"allocation result for device {device} has shareID {share_id!r}, which is not a share id "
+            "the scheduler writes (a lower-case UUID)"
+        )
+    consumed = entry.get("consumedCapacity") or {}
+    if not isinstance(consumed, Mapping):
+        raise ClaimRejected(f"allocation result for device {device}: consumedCapacity must be a map")
     return AllocationResult(
         request=request,
         pool=pool,
         device=device,
         admin_access=entry.get("adminAccess") is True,
-        share_id=share_id if isinstance(share_id, str) and share_id else None,
+        share_id=share_id,
+        consumed=tuple(
+            (str(name), _whole_quantity(value, f"device {device}: consumedCapacity {name}"))
+            for name, value in sorted(consumed.items())
+        ),
     )
+
+
+# Share ids are UIDs the scheduler generates; they become part of CDI device names.
+_SHARE_ID = re.compile(r"[a-z0-9]([-a-z0-9]{0,62}[a-z0-9])?")
+_QUANTITY = re.compile(
+    r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][-+]?[0-9]{1,3})?"
+)
+_SUFFIXES = {
+    "": Decimal(1), "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
+    "k": Decimal(10**3), "M": Decimal(10**6), "G": Decimal(10**9), "T": Decimal(10**12),
+    "P": Decimal(10**15), "E": Decimal(10**18),
+    "Ki": Decimal(2**10), "Mi": Decimal(2**20), "Gi": Decimal(2**30), "Ti": Decimal(2**40),
+    "Pi": Decimal(2**50), "Ei": Decimal(2**60),
+}  # fmt: skip
+
+
+def _whole_quantity(value: object, what: str) -> int:
+    """A non-negative Kubernetes quantity ("10Gi", "0", "1e3") as a whole number, rounded up.
+
+    Rounded up as the scheduler's ``Quantity.Value()`` does, so that a share is never limited
+    to less than it was given.
+    """
+    match = _QUANTITY.fullmatch(value) if isinstance(value, str) else None
+    if match is None:
+        raise ClaimRejected(f"{what}: {value!r} is not a non-negative quantity such as 10Gi")
+    suffix = match[2] or ""
+    try:
+        scale = Decimal(10) ** int(suffix[1:]) if suffix[:1] in ("e", "E") else _SUFFIXES[suffix]
+        return math.ceil(Decimal(match[1]) * scale)
+    except (ArithmeticError, ValueError):
+        raise ClaimRejected(f"{what}: {value!r} is out of range") from None
 
 
 def _opaque_config(index: int, entry: object, driver: str) -> OpaqueConfig | None:

@@ -17,6 +17,11 @@ A device name resolves to one of three things (names follow
   capability nodes, so the plan's spec is complete once :meth:`ClaimPlan.with_created`
   has been given every created device.
 
+A result with a ``shareID`` is a share of a full GPU published with consumable capacity
+(:mod:`dra_driver.node.shares`): it is checked against the GPU's request policy and, unless it
+takes the whole GPU, prepared with MPS limited to what it consumed. Its CDI device carries the
+share id in its name, so the shares of one GPU never collide.
+
 Whether a placement overlaps a live instance is not decided here: the inventory may
 be seconds old, and the hardware refuses an overlap when the device is created.
 
@@ -84,6 +89,7 @@ from dra_driver.node.config import (
     decode_entry,
     winning_configs,
 )
+from dra_driver.node.shares import Share, pooled, share_config, share_of
 from dra_driver.resources.devices import PartitionPolicy, offers_partitions, partition_all
 from dra_driver.resources.naming import gpu_device_name, maintenance_device_name, mig_device_name
 
@@ -140,6 +146,7 @@ class PlannedDevice:
     target: Target
     config: DeviceConfig  # the effective config; the default when none applies
     cdi_device_id: str
+    share: Share | None = None  # a share of the GPU (consumable capacity)
 
 
 @dataclass(frozen=True)
@@ -189,12 +196,14 @@ def plan_claim(
     *,
     partition: PartitionPolicy = partition_all,
     mig_holders: Mapping[str, str] | None = None,
+    consumable: bool = False,
 ) -> ClaimPlan:
     """Everything preparing ``claim`` means; :class:`ClaimRejected` if any of it is impossible.
 
     ``partition`` is the policy that decides which GPUs publish MIG placements; only those
     get MIG devices created. ``mig_holders`` maps the uuid of every MIG device the driver
-    created to the uid of the claim it was created for.
+    created to the uid of the claim it was created for. ``consumable`` says whether full GPUs
+    are published as shareable (``--consumable-capacity``); only then are shares prepared.
     """
     holders = mig_holders or {}
     targets = {
@@ -212,12 +221,20 @@ def plan_claim(
         **winning_configs(mig_results, [(e, d) for e, d in decoded if isinstance(d.config, MigDeviceConfig)]),
     }
     configs = _per_device_limits(claim.results, targets, winners)
+    shares = _shares(claim.results, targets, consumable)
     devices = tuple(
         PlannedDevice(
             result=result,
             target=targets[result],
-            config=configs.get(result, DEFAULT_MIG_CONFIG if targets[result].is_mig else DEFAULT_GPU_CONFIG),
-            cdi_device_id=cdi_device_id(driver_name, claim.ref.uid, result.device),
+            config=_limited(
+                result,
+                targets[result],
+                configs.get(result, DEFAULT_MIG_CONFIG if targets[result].is_mig else DEFAULT_GPU_CONFIG),
+                shares,
+                winners,
+            ),
+            cdi_device_id=cdi_device_id(driver_name, claim.ref.uid, result.device, result.share_id),
+            share=shares.get(result),
         )
         for result in claim.results
     )
@@ -227,6 +244,47 @@ def plan_claim(
     if not plan.to_create:
         plan.cdi_spec  # noqa: B018 -- built now, so that a spec no runtime would accept rejects the claim
     return plan
+
+
+def _shares(
+    results: Sequence[AllocationResult], targets: Mapping[AllocationResult, Target], consumable: bool
+) -> dict[AllocationResult, Share]:
+    """Each share's limits: its own, or pooled with the claim's other shares of the same GPU."""
+    own: dict[AllocationResult, Share] = {}
+    for result in results:
+        if result.share_id is None:
+            continue
+        target = targets[result]
+        if target.is_mig or result.device != gpu_device_name(target.gpu.minor):
+            raise ClaimRejected(
+                f"device {result.device} was allocated as a share (shareID {result.share_id}), but only full "
+                "GPUs are published as shareable; the claim was allocated from a stale ResourceSlice"
+            )
+        own[result] = share_of(result, target.gpu, consumable=consumable)
+    by_gpu: dict[str, list[AllocationResult]] = {}
+    for result in own:
+        by_gpu.setdefault(result.device, []).append(result)
+    return {
+        result: pooled(own[r] for r in group) if len(group) > 1 else own[result]
+        for group in by_gpu.values()
+        for result in group
+    }
+
+
+def _limited(
+    result: AllocationResult,
+    target: Target,
+    config: DeviceConfig,
+    shares: Mapping[AllocationResult, Share],
+    winners: Mapping[AllocationResult, tuple[OpaqueConfig, Decoded]],
+) -> DeviceConfig:
+    """``config``, or for a share that does not take the whole GPU its MPS-limited form."""
+    share = shares.get(result)
+    if share is None or share.whole:
+        return config
+    assert isinstance(config, GpuConfig)  # shares are of full GPUs only (see _shares)
+    entry = winners[result][0].describe() if result in winners else None
+    return share_config(result.device, target.gpu, share, config, entry)
 
 
 def _per_device_limits(
@@ -425,6 +483,7 @@ def _cdi_device(device: PlannedDevice) -> CdiDevice:
         device_nodes=device.target.device_nodes,
         env=env,
         uuid=device.target.uuid,
+        share_id=device.result.share_id,
     )
 
 

@@ -124,9 +124,11 @@ class NodePreparer:
     MIG device it creates or destroys, the preparer reads ``backend`` again and passes
     the result to ``on_inventory_changed``, which must make ``inventory`` return it
     (and republish). ``partition`` is the policy that publishes MIG placements: only
-    GPUs it selects get MIG devices created. ``on_prepared`` and ``on_unprepared`` hear of
-    every claim prepared (also again) and unprepared; they must not block. ``on_idle`` hears
-    when the last running claim operation has finished (see :mod:`dra_driver.memory`).
+    GPUs it selects get MIG devices created. ``consumable`` says whether full GPUs are
+    published as shareable (consumable capacity): only then are shares of them prepared.
+    ``on_prepared`` and ``on_unprepared`` hear of every claim prepared (also again) and
+    unprepared; they must not block. ``on_idle`` hears when the last running claim operation
+    has finished (see :mod:`dra_driver.memory`).
     """
 
     def __init__(
@@ -142,6 +144,7 @@ class NodePreparer:
         checkpoint_path: Path,
         boot_id_path: Path,
         partition: PartitionPolicy = partition_all,
+        consumable: bool = False,
         on_inventory_changed: Callable[[Inventory], None] | None = None,
         observer: PrepareObserver | None = None,
         on_prepared: Callable[[ClaimRef, tuple[PreparedDevice, ...]], None] | None = None,
@@ -158,6 +161,7 @@ class NodePreparer:
         self._common = common_edits
         self._boot_id_path = boot_id_path
         self._partition = partition
+        self._consumable = consumable
         self._observer = observer
         self._on_prepared = on_prepared
         self._on_unprepared = on_unprepared
@@ -320,6 +324,7 @@ class NodePreparer:
                 dataclasses.replace(self._common, device_nodes=inventory.control_nodes),
                 partition=self._partition,
                 mig_holders=self._mig_holders(),
+                consumable=self._consumable,
             )
             sharing = sharing_plan(plan)
             # Sharing and MIG devices to create take steps, each recorded before it is taken.

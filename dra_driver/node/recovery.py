@@ -52,7 +52,7 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
-from dra_driver.cdi.spec import uuid_env_name
+from dra_driver.cdi.spec import device_of_cdi_name, uuid_env_name
 from dra_driver.cdi.store import SpecStore
 from dra_driver.devices.types import MigDevice
 from dra_driver.node.checkpoint import Checkpoint, ClaimRecord, DeviceRecord, LoadedCheckpoint, MigRecord
@@ -137,18 +137,20 @@ def _recovered(uid: str, specs: SpecStore, pool: str, ours: dict[str, MigRecord]
         return None
     kind = spec.get("kind") if spec else None
     entries = spec.get("devices") if spec else None
-    prefix = f"{uid}-"
     named = [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
     devices = tuple(
         DeviceRecord(
             request="",
             pool=pool,
-            device=name[len(prefix) :],
+            device=device,
+            share_id=share_id,  # a share keeps only its share reserved
             cdi_device_ids=(f"{kind}={name}",),
-            mig=ours.get(_announced_uuid(entry, name[len(prefix) :])),
+            mig=ours.get(_announced_uuid(entry, device)),
         )
         for entry in named
-        if isinstance(name := entry.get("name"), str) and name.startswith(prefix)
+        if isinstance(name := entry.get("name"), str)
+        and (parsed := device_of_cdi_name(uid, name)) is not None
+        for device, share_id in [parsed]
     )
     if not isinstance(kind, str) or not devices:
         log.warning("removing a CDI spec that names no device of its claim", claim_uid=uid)

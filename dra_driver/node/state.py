@@ -8,6 +8,12 @@ freshest state on disk, so the rules here are the one place that decides conflic
   admin-access allocation (a monitoring or maintenance pod) never counts against a
   device. Allocations with a share id (``allowMultipleAllocations`` devices) hold
   only their share, so the key is (pool, device, share id).
+* shares of a device and an exclusive allocation of it exclude each other: a device
+  is not prepared exclusively (no share id) while another claim holds a share of it,
+  nor a share while another claim holds it exclusively, nor a MIG device created on a
+  GPU another claim holds a share of. (The scheduler's arithmetic forbids this while
+  consumable capacity stays on; the rule catches allocations from before it was
+  switched off or on.)
 * a full GPU and the MIG devices the driver creates on it exclude each other: a
   full GPU is not given to a claim while another claim holds a MIG placement of it,
   nor the other way round. (The scheduler's counters forbid this too; the rule
@@ -21,7 +27,7 @@ freshest state on disk, so the rules here are the one place that decides conflic
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from dra_driver.node.checkpoint import Checkpoint, ClaimRecord, DeviceRecord
@@ -144,6 +150,7 @@ class _Holders:
     def __init__(self, claims: Mapping[str, ClaimRecord]) -> None:
         self._devices: dict[_DeviceKey, str] = {}
         self._partitioned: dict[_GpuKey, set[str]] = {}
+        self._shared: dict[_GpuKey, set[str]] = {}  # claims holding a share of each device
         for uid, record in claims.items():
             self.add(uid, record)
 
@@ -162,6 +169,7 @@ class _Holders:
                     "The scheduler allocated it from a stale ResourceSlice: the kubelet retries, and "
                     "the claim needs a new allocation if the other claim keeps the device"
                 )
+            self._check_sharing(uid, device, claims, holder_of)
             partitioning = sorted(self._partitioned.get((device.pool, device.device), set()) - {uid})
             if partitioning:
                 raise MutationRejected(
@@ -180,11 +188,43 @@ class _Holders:
                     "unprepared"
                 )
 
+    def _check_sharing(
+        self,
+        uid: str,
+        device: DeviceRecord,
+        claims: Mapping[str, ClaimRecord],
+        holder_of: Callable[[_DeviceKey], str | None],
+    ) -> None:
+        """Refuse to mix shares of a device with an exclusive allocation of it (see the module doc)."""
+        stale = (
+            "The scheduler allocated it from a stale ResourceSlice (was --consumable-capacity switched?): "
+            "the kubelet retries, and the device is free once that claim is unprepared"
+        )
+        gpu = (device.pool, device.mig.parent_device if device.mig is not None else device.device)
+        sharing = sorted(self._shared.get(gpu, set()) - {uid})
+        if device.share_id is None and sharing:
+            what = (
+                f"MIG device {device.device} cannot be created"
+                if device.mig is not None
+                else f"device {device.device} cannot be prepared exclusively"
+            )
+            raise MutationRejected(
+                f"{what}: claim {describe(sharing[0], claims[sharing[0]])} holds a share of "
+                f"{gpu[1]} (consumable capacity). {stale}"
+            )
+        if device.share_id is not None and (holder := holder_of((device.pool, device.device, None))):
+            raise MutationRejected(
+                f"a share of device {device.device} cannot be prepared: it is prepared exclusively for claim "
+                f"{holder}. {stale}"
+            )
+
     def add(self, uid: str, record: ClaimRecord) -> None:
         for device in _exclusive(record):
             self._devices[_key(device)] = uid
             if device.mig is not None:
                 self._partitioned.setdefault((device.pool, device.mig.parent_device), set()).add(uid)
+            if device.share_id is not None:
+                self._shared.setdefault((device.pool, device.device), set()).add(uid)
 
     def remove(self, uid: str, record: ClaimRecord) -> None:
         for device in _exclusive(record):
@@ -192,6 +232,8 @@ class _Holders:
                 del self._devices[_key(device)]
             if device.mig is not None:
                 self._partitioned.get((device.pool, device.mig.parent_device), set()).discard(uid)
+            if device.share_id is not None:
+                self._shared.get((device.pool, device.device), set()).discard(uid)
 
 
 class _HolderIndex:

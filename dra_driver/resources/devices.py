@@ -9,6 +9,9 @@ Per physical GPU, in this order:
   created, each consuming its profile's share and exactly its memory slices from the GPU's
   counter set; the full GPU then consumes every counter of that set.
 
+With consumable capacity on, the full GPU is shareable (``allowMultipleAllocations``, memory
+and SMs with request policies: :mod:`dra_driver.resources.capacity`); it keeps its counters.
+
 Static MIG devices stay outside the counter set: they occupy their slices whether or not
 anyone allocated them, so counting them only when allocated would let the scheduler hand
 out a placement on top of one. Instead the placements that overlap them (or exceed their
@@ -27,6 +30,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from dra_driver.devices.types import Gpu, Inventory, MigDevice, MigProfile, Placement
+from dra_driver.resources.capacity import consumable_capacity, share_policy
 from dra_driver.resources.naming import (
     counter_set_name,
     gpu_device_name,
@@ -109,6 +113,7 @@ def build_devices(
     owned_mig_uuids: Collection[str] = frozenset(),
     taints: Mapping[str, Sequence[DeviceTaint]] | None = None,
     maintenance: bool = False,
+    consumable: bool = False,
 ) -> list[GpuDevices]:
     """The devices of every GPU in ``inventory``, ordered by minor number.
 
@@ -117,10 +122,19 @@ def build_devices(
     devices the driver created for claims; every other MIG device is static. ``taints`` maps a
     device name to the taints to publish on it (names not published here are ignored).
     ``maintenance`` adds each GPU's maintenance device (see :func:`maintenance_device`).
+    ``consumable`` makes every full GPU shareable (see :func:`shareable`).
     """
     result: list[GpuDevices] = []
     for gpu in sorted(inventory.gpus, key=lambda g: g.minor):
         gpu_devices = _gpu_devices(inventory, gpu, partition(gpu) and offers_partitions(gpu), owned_mig_uuids)
+        if consumable:
+            gpu_devices = GpuDevices(
+                devices=tuple(
+                    shareable(gpu, device) if device["name"] == gpu_device_name(gpu.minor) else device
+                    for device in gpu_devices.devices
+                ),
+                counter_set=gpu_devices.counter_set,
+            )
         if maintenance:
             gpu_devices = GpuDevices(
                 devices=(*gpu_devices.devices, maintenance_device(inventory, gpu)),
@@ -224,6 +238,18 @@ def _common_attributes(inventory: Inventory, gpu: Gpu) -> dict[str, DeviceAttrib
     if gpu.addressing_mode:
         attributes["addressingMode"] = {"string": gpu.addressing_mode}
     return attributes
+
+
+def shareable(gpu: Gpu, device: Device) -> Device:
+    """The full GPU ``device`` with consumable memory and SMs; unchanged if ``gpu`` is too small."""
+    policy = share_policy(gpu)
+    if policy is None:
+        return device
+    return {
+        **device,
+        "capacity": consumable_capacity(policy, device["capacity"]),
+        "allowMultipleAllocations": True,
+    }
 
 
 MAINTENANCE_TYPE = "maintenance"

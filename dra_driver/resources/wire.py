@@ -19,8 +19,22 @@ class DeviceAttribute(TypedDict, total=False):
     version: str  # semver 2.0.0
 
 
+class CapacityRequestPolicyRange(TypedDict):
+    min: str  # Quantities
+    max: NotRequired[str]
+    step: NotRequired[str]
+
+
+class CapacityRequestPolicy(TypedDict):
+    """How allocations consume a capacity of a device with ``allowMultipleAllocations``."""
+
+    default: str  # a Quantity: what an allocation that does not ask for this capacity consumes
+    validRange: CapacityRequestPolicyRange
+
+
 class DeviceCapacity(TypedDict):
     value: str  # a Quantity, e.g. "85520809984"
+    requestPolicy: NotRequired[CapacityRequestPolicy]  # only with allowMultipleAllocations
 
 
 class Counter(TypedDict):
@@ -52,6 +66,7 @@ class Device(TypedDict):
     capacity: dict[str, DeviceCapacity]
     consumesCounters: NotRequired[list[DeviceCounterConsumption]]
     taints: NotRequired[list[DeviceTaint]]
+    allowMultipleAllocations: NotRequired[bool]  # consumable capacity (KEP-5075)
 
 
 class ResourcePool(TypedDict):

@@ -42,6 +42,20 @@ def test_inventory_prints_the_gpus_and_the_slices_it_would_publish() -> None:
     assert "*id" not in result.stdout
 
 
+def test_inventory_with_consumable_capacity_shows_shareable_gpus() -> None:
+    result = dra_driver("inventory", "--simulate", "l4x4", "--consumable-capacity")
+    assert result.returncode == 0, result.stderr
+    devices = [d for s in yaml.safe_load_all(result.stdout) if s for d in s["spec"].get("devices", [])]
+    shareable = {d["name"] for d in devices if d.get("allowMultipleAllocations")}
+    assert shareable == {f"gpu-{i}" for i in range(4)}
+    policy = next(d for d in devices if d["name"] == "gpu-0")["capacity"]["memory"]["requestPolicy"]
+    assert policy["validRange"]["step"] == "1Gi"
+    # The switch takes a value too, and the environment sets it as well.
+    off = dra_driver("inventory", "--simulate", "l4x4", "--consumable-capacity", "false")
+    assert off.returncode == 0, off.stderr
+    assert "allowMultipleAllocations" not in off.stdout
+
+
 def test_inventory_is_deterministic_per_node_name() -> None:
     first = dra_driver("inventory", "--simulate", "l4x4", "--node-name", "a").stdout
     again = dra_driver("inventory", "--simulate", "l4x4", "--node-name", "a").stdout

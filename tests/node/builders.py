@@ -36,12 +36,15 @@ def result(
     pool: str = NODE,
     admin_access: bool | None = None,
     share_id: str | None = None,
+    consumed: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     entry: dict[str, Any] = {"request": request, "driver": driver, "pool": pool, "device": device}
     if admin_access is not None:
         entry["adminAccess"] = admin_access
     if share_id is not None:
         entry["shareID"] = share_id
+    if consumed is not None:
+        entry["consumedCapacity"] = dict(consumed)
     return entry
 
 

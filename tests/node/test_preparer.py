@@ -74,11 +74,11 @@ async def test_prepare_writes_spec_and_record_and_answers_with_cdi_ids(node: Nod
 
 async def test_repeated_prepare_is_answered_from_the_record_even_after_a_restart(node: Node) -> None:
     ref = new_ref()
-    node.allocate(ref, "gpu-3", share_id="abc")
-    first = await (await node.started()).prepare([ref])
+    node.allocate(ref, "gpu-3", share_id="abc", consumed={"memory": "10Gi"})
+    first = await (await node.started(consumable=True)).prepare([ref])
     gets = node.claims.gets
 
-    again = await (await node.started()).prepare([ref])  # a new plugin process, same files
+    again = await (await node.started(consumable=True)).prepare([ref])  # a new plugin process, same files
 
     assert again == first
     assert devices_of(again[ref.uid])[0].share_id == "abc"
@@ -298,10 +298,10 @@ async def test_admin_access_shares_a_device_in_use(node: Node) -> None:
 
 
 async def test_200_concurrent_prepares_are_all_recorded(node: Node) -> None:
-    preparer = await node.started()
+    preparer = await node.started(consumable=True)
     refs = [new_ref(f"c{i}") for i in range(200)]
     for i, ref in enumerate(refs):
-        node.allocate(ref, f"gpu-{i % 6}", share_id=f"share-{i}")
+        node.allocate(ref, f"gpu-{i % 6}", share_id=f"share-{i}", consumed={"memory": "1Gi"})
 
     outcomes = await preparer.prepare(refs)
 

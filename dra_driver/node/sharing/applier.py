@@ -38,6 +38,7 @@ from dra_driver.node.sharing.policy import (
     SharingPlan,
     applied_policy,
     check_agrees,
+    daemon_spec,
     gpu_records,
     held_by_others,
     mps_daemon_id,
@@ -114,9 +115,10 @@ class SharingApplier:
         if record.mps_daemon is None or self._mps is None:
             return plan
         spec = mps_spec(plan, sharing, record.mps_daemon)
+        daemon = daemon_spec(spec, sharing)  # shares of a GPU: the GPU's daemon, without one share's limits
         try:
-            paths = await self._mps.start(spec)
-            await self._mps.wait_ready(spec, self._ready_timeout_s)
+            paths = await self._mps.start(daemon)
+            await self._mps.wait_ready(daemon, self._ready_timeout_s)
         except MpsDaemonError as error:
             raise SharingError(f"{error}") from None
         log.info("mps_daemon_ready", daemon=spec.id, devices=spec.visible_devices)

@@ -22,11 +22,16 @@ anything is changed:
 * MPS devices of one claim asking different thread percentages: one daemon serves the claim, and
   a daemon has one default;
 * a GPU another prepared claim (a share of the same GPU) set differently: claims sharing a GPU
-  must agree on its compute mode and time slice, since there is only one.
+  must agree on its compute mode and time slice, since there is only one;
+* MPS for shares of a GPU (consumable capacity) beside other MPS devices in one claim: the shares
+  of a GPU are clients of one daemon per GPU (a GPU in ExclusiveProcess mode runs one MPS
+  server), each claim's containers with their share's limits, and a claim has one daemon.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -110,6 +115,13 @@ def sharing_plan(plan: ClaimPlan) -> SharingPlan:
             "the claim's MPS devices ask for different sharing.mps.defaultActiveThreadPercentage values "
             f"({described}); one MPS control daemon serves the claim, with one default: use one value"
         )
+    shared_gpus = {d.target.gpu.uuid for d in mps if d.share is not None}
+    if shared_gpus and (len(shared_gpus) > 1 or any(d.share is None for d in mps)):
+        raise ClaimRejected(
+            f"the claim's MPS devices ({', '.join(d.result.device for d in mps)}) include shares of a GPU "
+            "beside other devices; shares of a GPU are served by that GPU's own MPS daemon and a claim has "
+            "one: put the shares in a claim of their own"
+        )
     percentage = next(iter(percentages)) if percentages else None
     return SharingPlan(tuple(gpus.values()), tuple(mps), percentage)
 
@@ -185,7 +197,31 @@ def mps_daemon_id(plan: ClaimPlan, sharing: SharingPlan) -> str | None:
     """
     if not sharing.mps_devices:
         return None
+    if is_shared(sharing):
+        return shared_daemon_id(sharing.mps_devices[0].target.gpu.uuid)
     return daemon_id(plan.claim.ref.uid, [d.result.device for d in sharing.mps_devices])
+
+
+def is_shared(sharing: SharingPlan) -> bool:
+    """Whether the claim's MPS devices are shares of one GPU, served by that GPU's daemon."""
+    return any(d.share is not None for d in sharing.mps_devices)
+
+
+def shared_daemon_id(gpu_uuid: str) -> str:
+    """``shared-<12 hex>``: the daemon every share of the GPU ``gpu_uuid`` is a client of."""
+    return f"shared-{hashlib.sha256(gpu_uuid.encode()).hexdigest()[:12]}"
+
+
+def daemon_spec(spec: MpsDaemonSpec, sharing: SharingPlan) -> MpsDaemonSpec:
+    """What the daemon is started with: a GPU's shared daemon has no limits of one share.
+
+    The first share starts it and every share of the GPU uses it; each share's limits reach its
+    own containers as MPS client settings (``container_env`` of the claim's ``spec``).
+    """
+    if not is_shared(sharing):
+        return spec
+    devices = tuple(MpsDevice(device.uuid) for device in spec.devices)
+    return dataclasses.replace(spec, devices=devices, active_thread_percentage=None)
 
 
 def mps_spec(plan: ClaimPlan, sharing: SharingPlan, daemon: str) -> MpsDaemonSpec:

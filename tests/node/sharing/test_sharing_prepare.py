@@ -112,17 +112,32 @@ async def test_a_plugin_that_died_after_changing_the_gpu_restores_it_at_unprepar
     assert_nothing_left_for(node, ref.uid)
 
 
+SHARE = {"memory": "10Gi"}  # what the scheduler records for a share of a shareable GPU
+
+
 async def test_two_claims_on_one_gpu_must_agree_on_the_interval(node: Node) -> None:
-    preparer = await node.started()
+    preparer = await node.started(consumable=True)  # two claims on one GPU: shares of it
     first, second, third = new_ref("first"), new_ref("second"), new_ref("third")
     node.allocate(
-        first, "gpu-0", configs=[time_sliced("Short")], share_id="11111111-0000-0000-0000-000000000001"
+        first,
+        "gpu-0",
+        configs=[time_sliced("Short")],
+        share_id="11111111-0000-0000-0000-000000000001",
+        consumed=SHARE,
     )
     node.allocate(
-        second, "gpu-0", configs=[time_sliced("Long")], share_id="11111111-0000-0000-0000-000000000002"
+        second,
+        "gpu-0",
+        configs=[time_sliced("Long")],
+        share_id="11111111-0000-0000-0000-000000000002",
+        consumed=SHARE,
     )
     node.allocate(
-        third, "gpu-0", configs=[time_sliced("Short")], share_id="11111111-0000-0000-0000-000000000003"
+        third,
+        "gpu-0",
+        configs=[time_sliced("Short")],
+        share_id="11111111-0000-0000-0000-000000000003",
+        consumed=SHARE,
     )
     await prepared(preparer, first)
 
