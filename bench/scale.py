@@ -75,6 +75,8 @@ LOW_MEMORY_MIB = 1024
 HEARTBEAT = "10s"  # the kubelet's node status update frequency
 POLL_S = 1.0
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_START_TIMEOUT_S = 180.0  # a loaded 2-core machine starts 8 Python daemons at once slowly
+_PORT_ATTEMPTS = 3
 
 
 class ScaleError(RuntimeError):
@@ -118,12 +120,24 @@ class ScaleNode:
             extra_args=[f"--pod-uid={uuid.uuid4()}"],
         )
 
+    def start_driver(self, driver: DriverProcess | None = None) -> None:
+        """Starts the driver; again on a new port if another process took its port meanwhile (the
+        port is picked free, but a hundred daemons and their connections take ports all the time)."""
+        driver = driver or self.driver
+        for attempt in range(_PORT_ATTEMPTS):
+            try:
+                driver.start(timeout_seconds=_START_TIMEOUT_S)
+                return
+            except DaemonError as error:
+                if "address already in use" not in str(error) or attempt == _PORT_ATTEMPTS - 1:
+                    raise
+
     def roll(self) -> tuple[float, int | None]:
         """Surge: a new instance starts and is ready before the old one stops. Seconds until the new
         one was ready, and the old one's exit status (0: a clean shutdown)."""
         started = time.monotonic()
         new = self._new_driver()
-        new.start(timeout_seconds=120)
+        self.start_driver(new)
         ready = time.monotonic() - started
         old, self.driver = self.driver, new
         return ready, old.stop()
@@ -475,6 +489,10 @@ def check_memory(options: Options) -> float:
     return available
 
 
+def step(message: str) -> None:
+    print(f"==> {message}", file=sys.stderr, flush=True)
+
+
 def in_parallel(pool: ThreadPoolExecutor, work: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
     return list(pool.map(work, items))
 
@@ -488,9 +506,13 @@ class Run:
         self.report: JsonObject = {"nodes": len(nodes)}
 
     def publish(self) -> None:
+        count = len(self.nodes)
+        step(f"starting {count} kubelets, then {count} drivers, {self.options.parallel} at a time")
         phase = Phase(self.server)
         with phase.measured():
-            in_parallel(self.pool, lambda node: node.harness.start(timeout_seconds=120), self.nodes)
+            in_parallel(
+                self.pool, lambda node: node.harness.start(timeout_seconds=_START_TIMEOUT_S), self.nodes
+            )
         self.report["kubelets_started_s"] = round(phase.wall_s, 2)
 
         # What the GPUs call for, from the simulated hardware itself (as nvidia-smi would list it).
@@ -505,7 +527,7 @@ class Run:
             started = time.monotonic()
 
             def start(node: ScaleNode) -> None:
-                node.driver.start(timeout_seconds=120)
+                node.start_driver()
                 ready_at.append(time.monotonic() - started)
 
             in_parallel(self.pool, start, self.nodes)
@@ -524,6 +546,7 @@ class Run:
         }
 
     def steady(self) -> None:
+        step(f"published in {self.report['publish_all_s']} s; steady state for {self.options.steady_s:.0f} s")
         time.sleep(min(10.0, self.options.steady_s))  # let start-up stragglers finish
         before_text = self.server.metrics()
         phase = Phase(self.server)
@@ -562,6 +585,7 @@ class Run:
 
     def pods(self) -> None:
         count = self.options.pods
+        step(f"{count} one-GPU claims and pods for the scheduler to place")
         names = [f"gpu-{index:04d}" for index in range(count)]
         rest = self.server.rest
         rest.create(
@@ -603,6 +627,7 @@ class Run:
 
     def rolling_restart(self) -> None:
         """Every driver rolled, one node at a time, while a worker replaces pods on the rolling node."""
+        step(f"rolling restart of {len(self.nodes)} drivers, pods replaced on the rolling node meanwhile")
         since = server_time()
         current = {"node": self.nodes[0].name}
         done = threading.Event()
