@@ -540,6 +540,11 @@ class Run:
             "publish": phase.report()
             | {
                 "driver_ready_s": summary(ready_at),
+                # CPU each driver used to start and publish: what the machine's cores had to supply.
+                "driver_start_cpu_s": summary(
+                    [cpu_seconds(node.driver.daemon.pid or 0) for node in self.nodes]
+                ),
+                "load_average": [round(value, 2) for value in os.getloadavg()],
                 "slices": sum(len(items) for items in self.server.slices_by_node().values()),
                 "devices_per_node": len(expected),
             },
