@@ -89,8 +89,11 @@ class ScaleError(RuntimeError):
 class ScaleNode:
     """A node's kubelet harness and driver; the driver can be rolled to a new instance (new pod UID)."""
 
-    def __init__(self, info: ClusterInfo, harness_binary: Path, base: Path, name: str) -> None:
+    def __init__(
+        self, info: ClusterInfo, harness_binary: Path, base: Path, name: str, *, mig_partitions: bool
+    ) -> None:
         self.name = name
+        self.mig_partitions = mig_partitions
         self.base = base
         self._info = info
         registry = base / "registry"
@@ -117,7 +120,10 @@ class ScaleNode:
             paths=self.paths,
             log=self.base / f"dra-driver-{self.instances}.log",
             profile=PROFILE,
-            extra_args=[f"--pod-uid={uuid.uuid4()}"],
+            extra_args=[
+                f"--pod-uid={uuid.uuid4()}",
+                f"--mig-partitions={'all' if self.mig_partitions else 'none'}",
+            ],
         )
 
     def start_driver(self, driver: DriverProcess | None = None) -> None:
@@ -459,6 +465,7 @@ class Options:
     parallel: int
     output: Path
     skip_restart: bool
+    mig_partitions: bool = True
 
 
 def parse_args(argv: Sequence[str]) -> Options:
@@ -469,13 +476,26 @@ def parse_args(argv: Sequence[str]) -> Options:
     parser.add_argument("--parallel", type=int, default=8, help="nodes started at once (8)")
     parser.add_argument("--output", type=Path, default=OUTPUT, help=f"the report ({OUTPUT})")
     parser.add_argument("--skip-restart", action="store_true", help="leave out the rolling restart")
+    parser.add_argument(
+        "--no-mig-partitions",
+        action="store_true",
+        help="drivers publish whole GPUs only (--mig-partitions=none): what the scheduler pays per device",
+    )
     args = parser.parse_args(argv)
     pods = args.pods if args.pods is not None else args.nodes * GPUS_PER_NODE
     if args.nodes < 1 or args.parallel < 1 or args.steady_seconds < 0:
         parser.error("--nodes and --parallel must be at least 1, --steady-seconds at least 0")
     if not 0 <= pods <= args.nodes * GPUS_PER_NODE:
         parser.error(f"--pods must be between 0 and {args.nodes * GPUS_PER_NODE} (one per GPU at most)")
-    return Options(args.nodes, pods, args.steady_seconds, args.parallel, args.output, args.skip_restart)
+    return Options(
+        args.nodes,
+        pods,
+        args.steady_seconds,
+        args.parallel,
+        args.output,
+        args.skip_restart,
+        mig_partitions=not args.no_mig_partitions,
+    )
 
 
 def check_memory(options: Options) -> float:
@@ -518,7 +538,7 @@ class Run:
         # What the GPUs call for, from the simulated hardware itself (as nvidia-smi would list it).
         probe = SimulatedBackend(PROFILE, "probe", self.nodes[0].base.parent / "probe")
         try:
-            expected = expected_devices(probe.inventory())
+            expected = expected_devices(probe.inventory(), mig=self.options.mig_partitions)
         finally:
             probe.close()
         ready_at: list[float] = []
@@ -800,7 +820,13 @@ def run(options: Options) -> JsonObject:
         server = Server(control_plane.info)
         manifests.apply(server.rest, manifests.load(manifests.DEMO / "deviceclass.yaml"), NAMESPACE)
         nodes = [
-            ScaleNode(server.info, harness_binary, Path(scratch) / f"n{i:03d}", f"scale-{i:03d}")
+            ScaleNode(
+                server.info,
+                harness_binary,
+                Path(scratch) / f"n{i:03d}",
+                f"scale-{i:03d}",
+                mig_partitions=options.mig_partitions,
+            )
             for i in range(options.nodes)
         ]
         run = Run(options, server, nodes, pool)
@@ -830,6 +856,7 @@ def run(options: Options) -> JsonObject:
             for phase in ("publish", "steady", "pods", "rolling_restart")
             if phase in report
         },
+        "mig_partitions": options.mig_partitions,
         "machine": machine()
         | {
             "memory_available_gib_at_start": round(available / 1024, 1),

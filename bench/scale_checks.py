@@ -23,16 +23,16 @@ JsonObject = dict[str, Any]
 _EXAMPLES = 5  # names shown per kind of problem
 
 
-def expected_devices(inventory: Inventory, *, maintenance: bool = True) -> frozenset[str]:
-    """Every device a node with these GPUs publishes with MIG partitions on: each GPU whole, each MIG
-    placement of each of its profiles (what ``nvidia-smi mig -lgipp`` lists), and its maintenance
-    device. Derived from the hardware, not from the driver's slice code."""
+def expected_devices(inventory: Inventory, *, mig: bool = True, maintenance: bool = True) -> frozenset[str]:
+    """Every device a node with these GPUs publishes: each GPU whole, its maintenance device and, with
+    MIG partitions on, each MIG placement of each of its profiles (what ``nvidia-smi mig -lgipp``
+    lists). Derived from the hardware, not from the driver's slice code."""
     names: set[str] = set()
     for gpu in inventory.gpus:
         names.add(gpu_device_name(gpu.minor))
         if maintenance:
             names.add(maintenance_device_name(gpu.minor))
-        for profile in gpu.mig_profiles:
+        for profile in gpu.mig_profiles if mig else ():
             for placement in profile.placements:
                 names.add(mig_device_name(gpu.minor, profile.name, profile.profile_id, placement.start))
     return frozenset(names)

@@ -60,6 +60,15 @@ def test_a_dgx_h100_calls_for_every_gpu_its_mig_placements_and_its_maintenance_d
     } <= expected
 
 
+def test_without_mig_partitions_a_dgx_h100_calls_for_its_gpus_and_maintenance_devices(tmp_path: Path) -> None:
+    backend = SimulatedBackend("dgx-h100", NODE, tmp_path)
+    try:
+        expected = expected_devices(backend.inventory(), mig=False)
+    finally:
+        backend.close()
+    assert expected == {f"gpu-{i}" for i in range(8)} | {f"gpu-{i}-maintenance" for i in range(8)}
+
+
 def test_the_daemons_pool_is_valid(published: tuple[list[dict[str, Any]], frozenset[str]]) -> None:
     slices, expected = published
     assert problems(slices, expected) == []
