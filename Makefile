@@ -5,7 +5,7 @@ PYTHON ?= .venv/bin/python
 HELM = $$(hack/build-kube.sh helm | sed -n 's/^HELM_BIN_DIR=//p')/helm
 CHART = charts/dra-driver-gpu
 
-.PHONY: help venv demo demo-real test lint unit e2e bench bench-go reliability gen gen-check kube-build mock-nvml cluster-up cluster-down cluster-status image deps e2e-versions e2e-versions-subset
+.PHONY: help venv demo demo-real test lint unit e2e bench bench-go reliability gen gen-check kube-build mock-nvml cluster-up cluster-down cluster-status image deps e2e-versions e2e-versions-subset scale
 
 ## help: list the targets
 help:
@@ -59,6 +59,11 @@ bench: venv kube-build
 ## built into the cache by hack/build-go-reference.sh), alternating rounds (ROUNDS=3); writes _output/bench-go.json
 bench-go: venv kube-build
 	$(PYTHON) -m bench.compare_go $(if $(ROUNDS),--rounds $(ROUNDS))
+
+## scale: 100 simulated nodes of 8 H100 (driver + kubelet harness each) on one control plane: publish,
+## steady-state API requests, 800 pods, a rolling restart; writes _output/scale.json (SCALE_ARGS="--nodes 10")
+scale: venv kube-build
+	$(PYTHON) -m bench.scale $(SCALE_ARGS)
 
 ## reliability: the fault suite at full size (kill -9, API server outage, full disk, two instances,
 ## fuzzing), about 20 minutes; writes _output/reliability.json (`make test` runs a CI-sized subset)
