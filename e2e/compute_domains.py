@@ -108,7 +108,9 @@ class ControllerProcess:
     """One replica of `dra-driver compute-domain-controller`; replicas elect a leader on a Lease."""
 
     LEASE = "cd-dra-driver-gpu-compute-domain-controller"  # the chart's, for release "cd"
-    LEASE_SECONDS = 3.0  # short, so that a hand-over fits in a test
+    # Short, so that a hand-over fits in a test; long enough that a loaded machine does not make the
+    # leader miss its renew deadline (2/3 of it) and exit, with no Deployment here to restart it.
+    LEASE_SECONDS = 9.0
 
     def __init__(self, kubeconfig: Path, namespace: str, log: Path, ready_timeout: float, name: str) -> None:
         self.namespace = namespace

@@ -582,7 +582,7 @@ def test_of_two_controllers_one_leads_and_a_killed_leader_hands_over(rack: Rack,
         "after-handover-channel",
         lambda _: True,
     )
-    assert "ComputeDomain set up" in standby.log()
+    wait(lambda: "ComputeDomain set up" in standby.log(), timeout=30, what="the new leader's log line")
 
     # The old leader comes back as the standby: the Lease is held, so it waits.
     leader.start()
@@ -595,3 +595,10 @@ def test_of_two_controllers_one_leads_and_a_killed_leader_hands_over(rack: Rack,
     rest.delete(domains_path(namespace, "after-handover"))
     wait(lambda: not rest.request("GET", domains_path(namespace))["items"], timeout=60, what="deletion")
     assert "ComputeDomain" not in leader.log()
+
+    # An orderly stop (SIGTERM, as at a rolling update) releases the Lease instead of letting it
+    # expire; the standby takes it.
+    standby.stop()
+    assert "released the leader lease" in standby.log()
+    wait(lambda: leader.leading, timeout=30, what="the other replica to take the released Lease")
+    standby.start()  # the rack keeps its two replicas

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import socket
 import uuid
 from pathlib import Path
@@ -111,6 +112,12 @@ def _controller(args: argparse.Namespace) -> int:
         ) from None
 
     async def run() -> None:
+        # SIGTERM (a rolling update, a drain) ends the run in order, so the Lease is released and a
+        # standby replica takes over at once instead of after the lease duration.
+        main = asyncio.current_task()
+        assert main is not None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, main.cancel)
         api = await _api(args.kubeconfig)
         try:
             controller = ComputeDomainController(
@@ -153,7 +160,7 @@ def _daemon(args: argparse.Namespace) -> int:
 def _run(main: Any) -> int:
     try:
         asyncio.run(main)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C, or SIGTERM's orderly stop
         return 0
     except (ValueError, OSError, LostLease) as error:  # e.g. the port is taken, the Lease lost
         raise StartupError(str(error)) from None
