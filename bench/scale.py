@@ -770,14 +770,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("scale: interrupted; everything it started is stopped", file=sys.stderr)
         return 130
-    options.output.parent.mkdir(parents=True, exist_ok=True)
-    options.output.write_text(json.dumps(report, indent=2) + "\n")
+    save(options.output, report | {"complete": True})
     print_summary(report)
     print(f"\nwrote {options.output}")
     failures = verdict(report)
     for failure in failures:
         print(f"FAILED: {failure}")
     return 1 if failures else 0
+
+
+def save(output: Path, report: JsonObject) -> None:
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2) + "\n")
 
 
 def verdict(report: JsonObject) -> list[str]:
@@ -831,12 +835,17 @@ def run(options: Options) -> JsonObject:
         ]
         run = Run(options, server, nodes, pool)
         try:
-            run.publish()
-            run.steady()
-            if options.pods:
-                run.pods()
-            if not options.skip_restart:
-                run.rolling_restart()
+            # After each phase the figures so far are saved ("complete": false): a run stopped later
+            # still leaves them.
+            for phase, wanted in (
+                (run.publish, True),
+                (run.steady, True),
+                (run.pods, options.pods > 0),
+                (run.rolling_restart, not options.skip_restart),
+            ):
+                if wanted:
+                    phase()
+                    save(options.output, run.report | {"complete": False})
         except KeyboardInterrupt:
             if guard.tripped:
                 raise ScaleError(
