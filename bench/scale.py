@@ -437,13 +437,14 @@ def running_pods(server: Server) -> dict[str, str]:
     return {pod["metadata"]["name"]: pod["spec"]["nodeName"] for pod in pods}
 
 
-def failed_prepare_pods(server: Server, since: str | None = None) -> set[str]:
-    """Pods with a FailedPrepareDynamicResources event (the kubelet's) at or after ``since``."""
+def failed_prepares(server: Server, since: str | None = None) -> dict[str, str]:
+    """Pod -> the kubelet's message, for pods with a FailedPrepareDynamicResources event (the kubelet's)
+    at or after ``since``."""
     events = server.list(
         manifests_path("events", NAMESPACE), fieldSelector="reason=FailedPrepareDynamicResources"
     )
     return {
-        event["involvedObject"]["name"]
+        event["involvedObject"]["name"]: f"{event.get('source', {}).get('host', '?')}: {event.get('message')}"
         for event in events
         if since is None or (event.get("lastTimestamp") or event.get("eventTime") or "") >= since
     }
@@ -644,7 +645,7 @@ class Run:
                 "running": len(running),
                 "created_s": round(created_s, 2),
                 "scheduled_s": round(scheduled_s, 2) or None,
-                "failed_prepare_pods": len(failed_prepare_pods(self.server)),
+                "failed_prepares": failed_prepares(self.server),
                 "prepared_problems": problems[:20],
             },
         }
@@ -709,7 +710,9 @@ class Run:
             done.set()
             if worker.is_alive():
                 worker.join(timeout=180)
-        failed = failed_prepare_pods(self.server, since) | set(churn["never_ran"])
+        failed = failed_prepares(self.server, since) | {
+            pod: "did not run within 90 s" for pod in churn["never_ran"]
+        }
         pool_problems_after = wait_for_valid_pools(self.server, self.nodes, self.expected, timeout_s=60)
         running = running_pods(self.server)
         self.report |= {
@@ -722,7 +725,7 @@ class Run:
                 "pods_replaced_meanwhile": churn["replaced"],
                 "replacement_error": churn.get("error"),
                 "replacement_prepared_s": summary(churn["prepare_s"]),
-                "failed_prepare_pods": sorted(failed)[:20],
+                "failed_prepares": dict(sorted(failed.items())[:20]),
                 "slice_problems_after": pool_problems_after[:20],
                 "prepared_problems_after": prepared_problems(self.server, self.nodes, running)[:20],
                 "running_pods_after": len(running),
@@ -792,12 +795,14 @@ def verdict(report: JsonObject) -> list[str]:
         if pods["running"] != pods["pods"]:
             failures.append(f"{pods['pods'] - pods['running']} of {pods['pods']} pods never ran")
         failures += [f"pods: {problem}" for problem in pods["prepared_problems"]]
-        if pods["failed_prepare_pods"]:
-            failures.append(f"{pods['failed_prepare_pods']} pods had a failed prepare")
+        failures += [f"pods: failed prepare of {pod}: {why}" for pod, why in pods["failed_prepares"].items()]
     restart = report.get("rolling_restart")
     if restart:
         if report["rolling_restart_failed_prepares"]:
-            failures.append(f"rolling restart: failed prepares for {restart['failed_prepare_pods']}")
+            failures += [
+                f"rolling restart: failed prepare of {pod}: {why}"
+                for pod, why in restart["failed_prepares"].items()
+            ]
         if restart["replacement_error"]:
             failures.append(f"rolling restart: replacing pods failed: {restart['replacement_error']}")
         failures += [f"after the rolling restart: {p}" for p in restart["slice_problems_after"]]
