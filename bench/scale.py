@@ -27,6 +27,7 @@ import contextlib
 import http.client
 import json
 import os
+import shutil
 import signal
 import ssl
 import sys
@@ -65,6 +66,7 @@ PROFILE = "dgx-h100"
 GPUS_PER_NODE = 8
 NAMESPACE = "scale"
 OUTPUT = Path("_output/scale.json")
+LOGS = "scale-logs"  # beside the report: every log of a run that failed
 # What one node takes from the machine, measured (bench/README.md): PSS of the driver ~55 MiB and of
 # the kubelet harness ~15 MiB (their RSS is 80 and 50 MiB, counting the pages they share); the control
 # plane grows with the slices it keeps. The run refuses to start without this much memory
@@ -782,6 +784,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if failures else 0
 
 
+def keep_logs(scratch: Path, destination: Path) -> None:
+    """Copies every log of a failed run (drivers, kubelets, control plane) out of the scratch directory."""
+    shutil.rmtree(destination, ignore_errors=True)
+    for log in scratch.rglob("*.log"):
+        target = destination / log.relative_to(scratch)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, target)
+    print(f"scale: the run's logs are in {destination}", file=sys.stderr)
+
+
 def save(output: Path, report: JsonObject) -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
@@ -857,9 +869,15 @@ def run(options: Options) -> JsonObject:
                     f"stopped: the machine's available memory fell below {LOW_MEMORY_MIB} MiB"
                 ) from None
             raise
+        except (ScaleError, DaemonError, TimeoutError):
+            terminate(daemon for node in nodes for daemon in node.daemons)
+            keep_logs(Path(scratch), options.output.parent / LOGS)
+            raise
         finally:
             terminate(daemon for node in nodes for daemon in node.daemons)
         report = run.report
+        if verdict(report):
+            keep_logs(Path(scratch), options.output.parent / LOGS)
     memory = report.get("memory_loaded") or report.get("memory_idle") or {}
     report |= {
         # The driver daemon's own RSS on a node (mean, after the pods phase): what the driver costs a
