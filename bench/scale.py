@@ -27,6 +27,7 @@ import contextlib
 import http.client
 import json
 import os
+import shutil
 import signal
 import ssl
 import sys
@@ -65,6 +66,7 @@ PROFILE = "dgx-h100"
 GPUS_PER_NODE = 8
 NAMESPACE = "scale"
 OUTPUT = Path("_output/scale.json")
+LOGS = "scale-logs"  # beside the report: every log of a run that failed
 # What one node takes from the machine, measured (bench/README.md): PSS of the driver ~55 MiB and of
 # the kubelet harness ~15 MiB (their RSS is 80 and 50 MiB, counting the pages they share); the control
 # plane grows with the slices it keeps. The run refuses to start without this much memory
@@ -75,7 +77,7 @@ LOW_MEMORY_MIB = 1024
 HEARTBEAT = "10s"  # the kubelet's node status update frequency
 POLL_S = 1.0
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-_START_TIMEOUT_S = 180.0  # a loaded 2-core machine starts 8 Python daemons at once slowly
+_START_TIMEOUT_S = 300.0  # a 2-core machine under a load of 40 starts Python daemons slowly
 _PORT_ATTEMPTS = 3
 
 
@@ -437,13 +439,14 @@ def running_pods(server: Server) -> dict[str, str]:
     return {pod["metadata"]["name"]: pod["spec"]["nodeName"] for pod in pods}
 
 
-def failed_prepare_pods(server: Server, since: str | None = None) -> set[str]:
-    """Pods with a FailedPrepareDynamicResources event (the kubelet's) at or after ``since``."""
+def failed_prepares(server: Server, since: str | None = None) -> dict[str, str]:
+    """Pod -> the kubelet's message, for pods with a FailedPrepareDynamicResources event (the kubelet's)
+    at or after ``since``."""
     events = server.list(
         manifests_path("events", NAMESPACE), fieldSelector="reason=FailedPrepareDynamicResources"
     )
     return {
-        event["involvedObject"]["name"]
+        event["involvedObject"]["name"]: f"{event.get('source', {}).get('host', '?')}: {event.get('message')}"
         for event in events
         if since is None or (event.get("lastTimestamp") or event.get("eventTime") or "") >= since
     }
@@ -644,7 +647,7 @@ class Run:
                 "running": len(running),
                 "created_s": round(created_s, 2),
                 "scheduled_s": round(scheduled_s, 2) or None,
-                "failed_prepare_pods": len(failed_prepare_pods(self.server)),
+                "failed_prepares": failed_prepares(self.server),
                 "prepared_problems": problems[:20],
             },
         }
@@ -709,7 +712,9 @@ class Run:
             done.set()
             if worker.is_alive():
                 worker.join(timeout=180)
-        failed = failed_prepare_pods(self.server, since) | set(churn["never_ran"])
+        failed = failed_prepares(self.server, since) | {
+            pod: "did not run within 90 s" for pod in churn["never_ran"]
+        }
         pool_problems_after = wait_for_valid_pools(self.server, self.nodes, self.expected, timeout_s=60)
         running = running_pods(self.server)
         self.report |= {
@@ -722,7 +727,7 @@ class Run:
                 "pods_replaced_meanwhile": churn["replaced"],
                 "replacement_error": churn.get("error"),
                 "replacement_prepared_s": summary(churn["prepare_s"]),
-                "failed_prepare_pods": sorted(failed)[:20],
+                "failed_prepares": dict(sorted(failed.items())[:20]),
                 "slice_problems_after": pool_problems_after[:20],
                 "prepared_problems_after": prepared_problems(self.server, self.nodes, running)[:20],
                 "running_pods_after": len(running),
@@ -770,14 +775,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("scale: interrupted; everything it started is stopped", file=sys.stderr)
         return 130
-    options.output.parent.mkdir(parents=True, exist_ok=True)
-    options.output.write_text(json.dumps(report, indent=2) + "\n")
+    save(options.output, report | {"complete": True})
     print_summary(report)
     print(f"\nwrote {options.output}")
     failures = verdict(report)
     for failure in failures:
         print(f"FAILED: {failure}")
     return 1 if failures else 0
+
+
+def keep_logs(scratch: Path, destination: Path) -> None:
+    """Copies every log of a failed run (drivers, kubelets, control plane) out of the scratch directory."""
+    shutil.rmtree(destination, ignore_errors=True)
+    for log in scratch.rglob("*.log"):
+        target = destination / log.relative_to(scratch)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, target)
+    print(f"scale: the run's logs are in {destination}", file=sys.stderr)
+
+
+def save(output: Path, report: JsonObject) -> None:
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2) + "\n")
 
 
 def verdict(report: JsonObject) -> list[str]:
@@ -788,12 +807,14 @@ def verdict(report: JsonObject) -> list[str]:
         if pods["running"] != pods["pods"]:
             failures.append(f"{pods['pods'] - pods['running']} of {pods['pods']} pods never ran")
         failures += [f"pods: {problem}" for problem in pods["prepared_problems"]]
-        if pods["failed_prepare_pods"]:
-            failures.append(f"{pods['failed_prepare_pods']} pods had a failed prepare")
+        failures += [f"pods: failed prepare of {pod}: {why}" for pod, why in pods["failed_prepares"].items()]
     restart = report.get("rolling_restart")
     if restart:
         if report["rolling_restart_failed_prepares"]:
-            failures.append(f"rolling restart: failed prepares for {restart['failed_prepare_pods']}")
+            failures += [
+                f"rolling restart: failed prepare of {pod}: {why}"
+                for pod, why in restart["failed_prepares"].items()
+            ]
         if restart["replacement_error"]:
             failures.append(f"rolling restart: replacing pods failed: {restart['replacement_error']}")
         failures += [f"after the rolling restart: {p}" for p in restart["slice_problems_after"]]
@@ -831,21 +852,32 @@ def run(options: Options) -> JsonObject:
         ]
         run = Run(options, server, nodes, pool)
         try:
-            run.publish()
-            run.steady()
-            if options.pods:
-                run.pods()
-            if not options.skip_restart:
-                run.rolling_restart()
+            # After each phase the figures so far are saved ("complete": false): a run stopped later
+            # still leaves them.
+            for phase, wanted in (
+                (run.publish, True),
+                (run.steady, True),
+                (run.pods, options.pods > 0),
+                (run.rolling_restart, not options.skip_restart),
+            ):
+                if wanted:
+                    phase()
+                    save(options.output, run.report | {"complete": False})
         except KeyboardInterrupt:
             if guard.tripped:
                 raise ScaleError(
                     f"stopped: the machine's available memory fell below {LOW_MEMORY_MIB} MiB"
                 ) from None
             raise
+        except (ScaleError, DaemonError, TimeoutError):
+            terminate(daemon for node in nodes for daemon in node.daemons)
+            keep_logs(Path(scratch), options.output.parent / LOGS)
+            raise
         finally:
             terminate(daemon for node in nodes for daemon in node.daemons)
         report = run.report
+        if verdict(report):
+            keep_logs(Path(scratch), options.output.parent / LOGS)
     memory = report.get("memory_loaded") or report.get("memory_idle") or {}
     report |= {
         # The driver daemon's own RSS on a node (mean, after the pods phase): what the driver costs a
