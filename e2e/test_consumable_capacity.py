@@ -159,19 +159,21 @@ def test_sms_asked_for_become_the_shares_thread_percentage(
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"].endswith("=20480M")
 
 
-def test_more_memory_than_the_gpu_has_left_is_unschedulable(
+def test_seven_10gi_claims_fit_an_h100_and_the_eighth_waits_for_memory(
     rest: RestClient, node: GpuNode, namespace: str
 ) -> None:
     uuid = gpu_uuid(node, 5)
-    run(rest, node, namespace, "first", uuid, "40Gi")
-    wait_running(rest, namespace, "first")
+    for index in range(7):
+        run(rest, node, namespace, f"share-{index}", uuid, "10Gi")
+    for index in range(7):
+        wait_running(rest, namespace, f"share-{index}")
 
-    run(rest, node, namespace, "second", uuid, "40Gi")  # 80Gi > the GPU's 79.6Gi
+    run(rest, node, namespace, "eighth", uuid, "10Gi")  # 80Gi > the GPU's 79.6Gi
 
-    wait_unschedulable(rest, namespace, "second")
-    assert "allocation" not in claim_of(rest, namespace, "second").get("status", {})
-    delete_pod(rest, namespace, "first")
-    wait_running(rest, namespace, "second")  # the scheduler retries once the memory is free
+    wait_unschedulable(rest, namespace, "eighth")
+    assert "allocation" not in claim_of(rest, namespace, "eighth").get("status", {})
+    delete_pod(rest, namespace, "share-0")
+    wait_running(rest, namespace, "eighth")  # the scheduler retries once the memory is free
 
 
 def test_a_request_the_policy_does_not_allow_is_refused_by_the_scheduler(
@@ -184,6 +186,11 @@ def test_a_request_the_policy_does_not_allow_is_refused_by_the_scheduler(
     (condition,) = [c for c in pod["status"]["conditions"] if c["type"] == "PodScheduled"]
     assert "cannot allocate all claims" in condition["message"]
     assert "allocation" not in claim_of(rest, namespace, "too-big").get("status", {})
+    typo = sized_claim("typo", gpu_uuid(node, 6), "10Gi")
+    requests = typo["spec"]["devices"]["requests"][0]["exactly"]["capacity"]["requests"]
+    requests["memroy"] = requests.pop("memory")  # a capacity no GPU has
+    manifests.apply(rest, manifests.pinned([typo, pod_using("typo", "typo")], node.name), namespace)
+    wait_unschedulable(rest, namespace, "typo")
 
 
 def test_exclusive_claims_and_shares_of_one_gpu_never_mix(

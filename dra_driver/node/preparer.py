@@ -473,14 +473,32 @@ class NodePreparer:
             record = state.claims.get(ref.uid)
             if record is None or record.phase == "Recovered":
                 await self._sharing.stop_daemons_of(ref.uid)  # the record of its daemon was lost
+            if record is not None and record.sharing is not None:
+                record = await self._undo_sharing(ref.uid)
             if record is not None:
-                await self._sharing.undo(ref.uid, record.sharing, state)
                 await self._destroy_recorded(ref.uid, record)
             # The spec goes first: as long as it exists, so does the record (see recovery).
             self._specs.remove(ref.uid)
             # Committed even when this instance has no record: the other instance may have one.
             await self._journal.commit(Release(ref.uid))
             log.info("claim unprepared")
+
+    async def _undo_sharing(self, uid: str) -> ClaimRecord | None:
+        """Undo the claim's sharing and record that it holds none; the claim's record after it.
+
+        Under the applier's lock, against the freshest state: shares of one GPU unprepared at once
+        (a Deployment scaled down) must see each other go, or none would be the last one out to
+        stop the GPU's daemon and restore its compute mode.
+        """
+        async with self._sharing.lock:
+            state = await self._journal.refresh()
+            record = state.claims.get(uid)
+            if record is None or record.sharing is None:
+                return record
+            await self._sharing.undo(uid, record.sharing, state)
+            record = record.model_copy(update={"sharing": None})
+            await self._journal.commit(Progress(uid, record))
+            return record
 
     async def _destroy_recorded(self, uid: str, record: ClaimRecord) -> None:
         """Destroy the claim's MIG devices; when one cannot go, record which did and raise (retry)."""

@@ -350,3 +350,34 @@ async def test_shares_of_a_gpu_beside_other_mps_devices_in_one_claim_are_refused
     assert isinstance(outcome, ClaimError)
     assert "put the shares in a claim of their own" in outcome.message
     assert ref_not_prepared(node, ref.uid)
+
+
+def standins_serving(root: Path) -> list[int]:
+    """The stand-in MPS daemon processes alive under ``root`` (by their command line)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"dra_driver.node.sharing.mps_standin" in cmdline and any(
+            str(root).encode() in a for a in cmdline
+        ):
+            found.append(int(proc.name))
+    return found
+
+
+async def test_shares_prepared_at_once_start_their_gpus_daemon_once(node: Node) -> None:
+    preparer = await node.started(consumable=True)
+    refs = [new_ref(f"share-{i}") for i in range(4)]
+    for ref in refs:
+        node.allocate(ref, "gpu-0", share_id=share_id(), consumed={"memory": "10Gi"})
+
+    outcomes = await preparer.prepare(refs)
+
+    assert not any(isinstance(o, ClaimError) for o in outcomes.values()), outcomes
+    assert len(standins_serving(node.root / "mps")) == 1
+    await preparer.unprepare(refs)
+    assert standins_serving(node.root / "mps") == []

@@ -65,6 +65,9 @@ class SharingApplier:
         # Held from the check against other claims until the reservation is committed, so that two
         # claims for one GPU cannot both pass the check.
         self.lock = asyncio.Lock()
+        # Per daemon id, around starting and stopping it: the shares of one GPU use one daemon, and
+        # two of them prepared at once must not both start it (nor one stop it while another starts).
+        self._daemon_locks: dict[str, asyncio.Lock] = {}
 
     async def record(
         self, uid: str, plan: ClaimPlan, sharing: SharingPlan, existing: ClaimRecord | None, state: Checkpoint
@@ -117,8 +120,9 @@ class SharingApplier:
         spec = mps_spec(plan, sharing, record.mps_daemon)
         daemon = daemon_spec(spec, sharing)  # shares of a GPU: the GPU's daemon, without one share's limits
         try:
-            paths = await self._mps.start(daemon)
-            await self._mps.wait_ready(daemon, self._ready_timeout_s)
+            async with self._daemon_lock(daemon.id):
+                paths = await self._mps.start(daemon)
+                await self._mps.wait_ready(daemon, self._ready_timeout_s)
         except MpsDaemonError as error:
             raise SharingError(f"{error}") from None
         log.info("mps_daemon_ready", daemon=spec.id, devices=spec.visible_devices)
@@ -140,7 +144,8 @@ class SharingApplier:
         )
         if record.mps_daemon and self._mps is not None and not shared:
             try:
-                await self._mps.stop(record.mps_daemon)
+                async with self._daemon_lock(record.mps_daemon):
+                    await self._mps.stop(record.mps_daemon)
             except MpsDaemonError as error:
                 raise SharingError(str(error)) from None
         held = held_by_others(uid, state)
@@ -190,6 +195,10 @@ class SharingApplier:
                     await self._mps.stop(daemon)
         except MpsDaemonError as error:
             raise SharingError(str(error)) from None
+
+    def _daemon_lock(self, daemon_id: str) -> asyncio.Lock:
+        # Kept for the plugin's life: one per daemon id, and ids are per claim or per shared GPU.
+        return self._daemon_locks.setdefault(daemon_id, asyncio.Lock())
 
     async def _read(self, device: str, gpu_uuid: str) -> ComputePolicy:
         try:
