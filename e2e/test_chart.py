@@ -416,7 +416,11 @@ def installed_entrypoint(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 def pod_environment(pod: JsonObject) -> dict[str, str]:
     """The plugin container's environment as the kubelet would set it: values, and the downward API."""
     (container,) = pod["spec"]["containers"]
-    fields = {"spec.nodeName": pod["spec"]["nodeName"], "metadata.uid": pod["metadata"]["uid"]}
+    fields = {
+        "spec.nodeName": pod["spec"]["nodeName"],
+        "metadata.uid": pod["metadata"]["uid"],
+        "metadata.namespace": pod["metadata"]["namespace"],
+    }
     # The API server drops an empty value (omitempty): such an entry is the empty string.
     return {
         entry["name"]: fields[entry["valueFrom"]["fieldRef"]["fieldPath"]]
