@@ -306,7 +306,6 @@ def test_a_full_gpu_claim_waits_until_the_partition_on_its_gpu_is_released(
     assert [n["path"] for n in spec["devices"][0]["containerEdits"]["deviceNodes"]] == ["/dev/nvidia13"]
 
 
-@pytest.mark.kube_versions
 def test_mixed_profiles_on_one_gpu_get_placements_that_do_not_overlap(
     rest: RestClient, node: GpuNode, namespace: str
 ) -> None:

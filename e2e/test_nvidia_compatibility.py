@@ -117,7 +117,6 @@ def claim_and_pod(name: str, device_class: str, selector: str | None, node: str)
     return manifests.pinned([claim, pod], node)
 
 
-@pytest.mark.kube_versions
 @pytest.mark.parametrize(("row", "kind"), CASES)
 def test_each_nvidia_attribute_selects_through_the_real_scheduler(
     rest: RestClient, node: GpuNode, namespace: str, row: Row, kind: str
