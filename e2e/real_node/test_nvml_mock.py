@@ -8,6 +8,7 @@ through NVML's C interface. A workload pod then gets a GPU the NVML backend prep
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from kubernetes import client
 
 from e2e.cluster import ClusterInfo
 from e2e.driver import MOCK_NVML_DRIVER_VERSION
-from e2e.real_node.driver import PROFILE, DriverRelease, install_driver
+from e2e.real_node.driver import NAMESPACE, PROFILE, DriverRelease, install_driver
 from e2e.real_node.gpu_view import (
     allocated_devices,
     container,
@@ -50,6 +51,16 @@ def nvml_driver(real_cluster: ClusterInfo, real_node: RealNode, helm: Path) -> I
     try:
         yield release
     finally:
+        # The tests' pods go with their namespaces: their claims must be unprepared by this plugin
+        # before it is uninstalled, or their CDI specs would outlive it on the node.
+        with real_cluster.api_client() as api:
+            core = client.CoreV1Api(api)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and (
+                release.cdi_specs()
+                or any(p.metadata.namespace != NAMESPACE for p in core.list_pod_for_all_namespaces().items)
+            ):
+                time.sleep(0.5)
         release.uninstall()
 
 
