@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import grpc
 
 from bench.kubelet import BenchFailure, register
 from e2e.cluster import processes
@@ -96,7 +97,7 @@ class Daemon:
         self._child, self._record = processes.spawn("dra-driver", self._argv, self.log, die_with_parent=True)
         await self._until(self.registration_socket.exists)
         socket_at = time.perf_counter() - started
-        endpoint = await register(self.registration_socket, self.config.driver)
+        endpoint = await self._register()
         registered_at = time.perf_counter() - started
         ready_at = None
         if self.has_readyz:
@@ -106,6 +107,21 @@ class Daemon:
                 )
             ready_at = time.perf_counter() - started
         return StartupTimes(socket=socket_at, registered=registered_at, ready=ready_at), endpoint
+
+    async def _register(self) -> Path:
+        """Register as the plugin watcher does, retrying while the socket exists but does not listen yet.
+
+        A server binds the socket file before it listens (Go's net.Listen does both, a moment
+        apart), and the kubelet retries a registration that was refused.
+        """
+        deadline = time.perf_counter() + START_TIMEOUT_S
+        while True:
+            try:
+                return await register(self.registration_socket, self.config.driver)
+            except grpc.aio.AioRpcError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE or time.perf_counter() > deadline:
+                    raise BenchFailure(f"registration failed: {error.details()}\n{self._tail()}") from None
+                await asyncio.sleep(POLL_S)
 
     @property
     def has_readyz(self) -> bool:
