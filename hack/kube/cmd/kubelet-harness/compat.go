@@ -11,6 +11,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/klog/v2"
 	"k8s.io/kubernetes/pkg/kubelet/cm/dra"
+	"k8s.io/kubernetes/pkg/kubelet/config"
 )
 
 // getNodeFunc adapts get to dra.GetNodeFunc, which takes a context from 1.36 and none before (then
@@ -57,5 +58,22 @@ func updateAllocatedResourcesStatus(manager any, logger klog.Logger, pod *v1.Pod
 		m.UpdateAllocatedResourcesStatus(pod, status)
 	default:
 		logger.Error(nil, "This Kubernetes release's DRA manager has no UpdateAllocatedResourcesStatus the harness knows")
+	}
+}
+
+// runPluginManager runs the plugin manager until ctx ends. PluginManager.Run takes a context from
+// 1.35; on 1.34 it takes only the sources and the stop channel.
+func runPluginManager(ctx context.Context, manager any, sourcesReady config.SourcesReady) {
+	switch m := manager.(type) {
+	case interface {
+		Run(context.Context, config.SourcesReady, <-chan struct{})
+	}:
+		m.Run(ctx, sourcesReady, ctx.Done())
+	case interface {
+		Run(config.SourcesReady, <-chan struct{})
+	}:
+		m.Run(sourcesReady, ctx.Done())
+	default:
+		klog.FromContext(ctx).Error(nil, "This Kubernetes release's plugin manager has no Run the harness knows")
 	}
 }

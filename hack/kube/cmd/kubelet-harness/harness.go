@@ -86,7 +86,7 @@ func run(ctx context.Context, opts options) error {
 
 	pluginManager := pluginmanager.NewPluginManager(opts.registryDir, recorder)
 	pluginManager.AddHandler(pluginwatcherapi.DRAPlugin, draManager.GetWatcherHandler())
-	go pluginManager.Run(ctx, sourcesReady, ctx.Done())
+	go runPluginManager(ctx, pluginManager, sourcesReady)
 
 	informerFactory.Start(ctx.Done())
 	if !cache.WaitForCacheSync(ctx.Done(), podInformer.HasSynced) {
