@@ -32,7 +32,7 @@ from e2e.cluster import (
     processes,
 )
 from e2e.cluster.binaries import REPO_ROOT
-from e2e.cluster.features import device_taint_rule_version
+from e2e.cluster.features import device_taint_rule_version, kube_minor
 
 pytestmark = pytest.mark.cluster
 
@@ -297,7 +297,7 @@ def test_slice_breaking_an_api_limit_is_rejected_by_the_api_server(
 
 @pytest.mark.kube_versions
 def test_fields_of_the_enabled_dra_features_are_stored(
-    rest: RestClient, namespace: str, cluster_objects: list[str]
+    rest: RestClient, namespace: str, cluster_objects: list[str], cluster: ClusterInfo
 ) -> None:
     """A field of a disabled feature is dropped without an error; what comes back shows the gates work."""
     driver = driver_for(namespace)
@@ -333,7 +333,13 @@ def test_fields_of_the_enabled_dra_features_are_stored(
     extended = device_class(driver)
     extended["spec"]["extendedResourceName"] = f"{driver}/gpu"  # DRAExtendedResource
 
-    for collection, body in ((SLICES, counters), (SLICES, partitions), (CLASSES, extended)):
+    objects = [(SLICES, counters), (SLICES, partitions), (CLASSES, extended)]
+    if kube_minor(cluster.kube_version) < 35:
+        # 1.34: a device consumes counters of its own slice only (docs/kubernetes-versions.md).
+        partitions["spec"]["sharedCounters"] = counters["spec"]["sharedCounters"]
+        partitions["spec"]["pool"]["resourceSliceCount"] = 1
+        objects = objects[1:]
+    for collection, body in objects:
         stored = create(rest, collection, body, cluster_objects)
         assert is_subset(body["spec"], stored["spec"]), json.dumps(stored["spec"])
 
