@@ -38,16 +38,6 @@ TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
-def mig_device_class(cluster: ClusterInfo) -> Iterator[str]:
-    """docs/examples/deviceclass-mig.yaml, as a user installs it."""
-    rest = cluster.rest()
-    (device_class,) = manifests.load(manifests.EXAMPLES / "deviceclass-mig.yaml")
-    rest.create(manifests.collection("DeviceClass"), device_class)
-    yield device_class["metadata"]["name"]
-    rest.delete(manifests.object_path(device_class))
-
-
-@pytest.fixture(scope="module")
 def gpu_node(
     cluster: ClusterInfo,
     kubelet_harness_binary: Path,
