@@ -287,9 +287,10 @@ class _NvmlCalls:
         self._pending, self._pending_action = future, action
         threading.Thread(target=run, name="nvml-health", daemon=True).start()
         try:
-            return await asyncio.wait_for(
-                asyncio.shield(asyncio.wrap_future(future)), self._timeout + extra_seconds
-            )
+            # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation that arrives as
+            # the call answers, and a cancelled health watch then never stops.
+            async with asyncio.timeout(self._timeout + extra_seconds):
+                return await asyncio.shield(asyncio.wrap_future(future))
         except TimeoutError:
             log.error("nvml_call_timed_out", action=action, timeout_seconds=self._timeout)
             raise NvmlHungError(
@@ -302,7 +303,8 @@ class _NvmlCalls:
         if self._pending is None or self._pending.done():
             return True
         with contextlib.suppress(Exception):  # its outcome is no longer anyone's business
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._pending)), seconds)
+            async with asyncio.timeout(seconds):
+                await asyncio.shield(asyncio.wrap_future(self._pending))
         return self._pending.done()
 
 

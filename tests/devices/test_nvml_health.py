@@ -189,3 +189,19 @@ async def test_stopping_the_watch_during_a_hung_call_does_not_wait_for_it(
         await asyncio.wait_for(updates.aclose(), GUARD_S)  # type: ignore[attr-defined]
     assert any("never returned" in e["event"] for e in logs)
     mock.control("clear-faults")
+
+
+async def test_a_cancelled_watch_stops_even_when_the_cancel_meets_an_answer(
+    backend: NvmlBackend, mock: MockNvml
+) -> None:
+    # Periods of a millisecond make an NVML answer and the cancellation arrive together often:
+    # asyncio.wait_for on 3.11 swallowed such a cancellation and the watch ran on for good.
+    for attempt in range(40):
+        updates = open_health_source(backend, poll_seconds=0.001, clock=lambda: T0).watch()
+        assert await next_report(updates) == {}
+        pending = asyncio.ensure_future(anext(updates))
+        await asyncio.sleep(0.001 * (attempt % 9))
+        pending.cancel()
+        done, _ = await asyncio.wait({pending}, timeout=5)
+        assert done, f"the watch went on after it was cancelled (attempt {attempt + 1})"
+        await updates.aclose()  # type: ignore[attr-defined]
