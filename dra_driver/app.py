@@ -472,6 +472,7 @@ async def _serve(
         driver_name=settings.driver_name,
         inventory=lambda: watch.current,
         faults=lambda: gpu_health.faults,
+        busy=lambda: preparer.busy,  # writes wait for a pause in the kubelet's calls
     )
     preparer = NodePreparer(
         driver_name=settings.driver_name,

@@ -64,7 +64,9 @@ class Health:
         self.faults: NodeFaults = {}
 
 
-def make_writer(node: Node, api: RecordingApi, health: Health, clock: Clock) -> ClaimStatusWriter:
+def make_writer(
+    node: Node, api: RecordingApi, health: Health, clock: Clock, **pacing: Any
+) -> ClaimStatusWriter:
     return ClaimStatusWriter(
         api,
         driver_name=DRIVER,
@@ -73,6 +75,7 @@ def make_writer(node: Node, api: RecordingApi, health: Health, clock: Clock) -> 
         clock=clock,
         retry_initial=0.01,
         retry_cap=0.02,
+        **({"settle": 0.0} | pacing),
     )
 
 
@@ -202,6 +205,41 @@ async def test_a_write_never_delays_or_fails_the_prepare(node: Node) -> None:
     outcome = await asyncio.wait_for(preparer.prepare([ref]), GUARD_S)
     assert isinstance(outcome[ref.uid], tuple)
     assert api.applied == []
+
+
+async def test_writes_wait_for_a_pause_in_the_claim_operations(node: Node) -> None:
+    api, health, clock = RecordingApi(), Health(), Clock()
+    busy = True
+    writer = make_writer(node, api, health, clock, settle=0.05, busy=lambda: busy)
+    preparer = await node.started(on_prepared=writer.prepared, on_unprepared=writer.unprepared)
+    ref, short_lived = new_ref("a"), new_ref("short")
+    node.allocate(ref, "gpu-1")
+    node.allocate(short_lived, "gpu-2")
+    async with running(writer.run):
+        await preparer.prepare([ref])
+        await asyncio.sleep(0.3)  # the kubelet's calls go on (busy): the write waits
+        assert api.applied == []
+
+        busy = False
+        written_for, _ = await api.next_write()
+        assert written_for == ref
+
+        await preparer.prepare([short_lived])
+        await preparer.unprepare([short_lived])  # within the settle time: never written
+        await asyncio.sleep(0.3)
+    assert [written_for for written_for, _ in api.applied] == [ref]
+
+
+async def test_a_node_that_is_never_quiet_still_gets_its_statuses(node: Node) -> None:
+    api, health, clock = RecordingApi(), Health(), Clock()
+    writer = make_writer(node, api, health, clock, settle=0.05, max_delay=0.2, busy=lambda: True)
+    preparer = await node.started(on_prepared=writer.prepared)
+    ref = new_ref()
+    node.allocate(ref, "gpu-1")
+    async with running(writer.run):
+        await preparer.prepare([ref])
+        written_for, _ = await api.next_write()
+    assert written_for == ref
 
 
 async def test_the_claims_of_the_checkpoint_are_listed_for_a_restarted_plugin(node: Node) -> None:
