@@ -36,7 +36,7 @@ from dra_driver.kubelet.health import HealthBoard
 from dra_driver.kubelet.server import KubeletPlugin
 from dra_driver.labels.gfd import gfd_labels
 from dra_driver.labels.labeller import NodeLabeller
-from dra_driver.memory import HeapTrimmer
+from dra_driver.memory import HeapTrimmer, settle_collector
 from dra_driver.metrics import Metrics
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
 from dra_driver.node.claim_status import ApiServerClaimStatus, ClaimStatusWriter
@@ -548,6 +548,8 @@ async def _serve(
             http_port=status.port if status else None,
             startup_seconds=round(time.monotonic() - started, 3),
         )
+        # Off the path of the kubelet's first calls (registration): the collection takes ~25 ms.
+        asyncio.get_running_loop().call_later(GC_SETTLE_DELAY_S, settle_collector)
         tasks = [
             asyncio.create_task(publisher.run()),
             asyncio.create_task(watch.run()),
@@ -567,6 +569,9 @@ async def _serve(
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+GC_SETTLE_DELAY_S = 1.0  # after the sockets serve: start-up's objects are frozen (dra_driver.memory)
 
 
 async def _until_stopped(stop: asyncio.Event, tasks: list[asyncio.Task[None]]) -> None:

@@ -8,6 +8,14 @@ good. ``malloc_trim(0)`` returns every whole free page inside the heaps to the k
 node has been idle for a moment after claim operations, never while one is running.
 
 Only glibc has ``malloc_trim``; elsewhere (musl) this does nothing.
+
+The cyclic garbage collector gets the same care (:func:`settle_collector`). Start-up leaves
+some 70 000 long-lived objects (the modules of grpc, the Kubernetes client, pydantic), and
+every full collection walked all of them: 24 ms on an idle 2-core machine, taken in the middle
+of whichever prepare tripped it, which made the worst prepares 2 to 5 times the median.
+Frozen after start-up, they are no collection's business any more; and a larger first
+generation collects the short-lived objects of a claim operation (gRPC messages, JSON, log
+events) less often, so fewer of them live long enough to be promoted and walked again.
 """
 
 from __future__ import annotations
@@ -15,9 +23,19 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import gc
 from collections.abc import Callable
 
 IDLE_DELAY_S = 1.0  # after the last claim operation of a burst
+GEN0_THRESHOLD = 10_000  # allocations between young collections (Python's default: 700)
+
+
+def settle_collector() -> None:
+    """Collect once, then keep every object alive now out of later collections; call after start-up."""
+    gc.collect()
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(max(GEN0_THRESHOLD, gc.get_threshold()[0]), older, oldest)
 
 
 def _libc_malloc_trim() -> Callable[[], object] | None:

@@ -1,10 +1,15 @@
-"""The heap trim after a burst: once idle, never while a claim operation runs, and on glibc for real."""
+"""The heap trim after a burst: once idle, never while a claim operation runs, and on glibc for real;
+and the garbage collector settled after start-up."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
+import textwrap
 
-from dra_driver.memory import HeapTrimmer, _libc_malloc_trim
+from dra_driver.memory import GEN0_THRESHOLD, HeapTrimmer, _libc_malloc_trim
 
 
 async def test_the_heap_is_trimmed_once_after_the_last_idle() -> None:
@@ -36,3 +41,23 @@ def test_glibc_has_malloc_trim() -> None:
     trim = _libc_malloc_trim()
     assert trim is not None
     assert trim() in (0, 1)  # 1: memory was released, 0: there was none to release
+
+
+def test_after_start_up_a_full_collection_walks_none_of_its_objects() -> None:
+    # In a child process: freezing is for the life of a process, and this one runs other tests.
+    probe = textwrap.dedent(
+        """
+        import gc, json
+        import dra_driver.app
+        from dra_driver.memory import settle_collector
+        before = len(gc.get_objects())
+        settle_collector()
+        print(json.dumps([before, len(gc.get_objects()), gc.get_freeze_count(), gc.get_threshold()[0]]))
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    before, collectable, frozen, young_threshold = json.loads(result.stdout)
+    assert before > 10_000  # the modules of grpc, kubernetes and pydantic
+    assert collectable < before / 100  # what a full collection still walks
+    assert frozen >= before * 0.9
+    assert young_threshold == GEN0_THRESHOLD
