@@ -43,6 +43,14 @@ def test_spec_lands_under_the_transient_name_and_reads_back(store: SpecStore, tm
     assert runtime_visible(path.parent) == [path.name]
 
 
+def test_a_spec_is_one_line_of_compact_json(store: SpecStore) -> None:
+    # Indented JSON is Python's slow pure-Python encoder: the spec is written as CDI's Go writer does.
+    spec = spec_for(CLAIM_UID, GPU0, GPU1)
+    text = store.write(CLAIM_UID, spec).read_text()
+    assert text == json.dumps(spec, separators=(",", ":")) + "\n"
+    assert json.loads(text) == spec
+
+
 def test_rewriting_replaces_the_spec(store: SpecStore) -> None:
     store.write(CLAIM_UID, spec_for(CLAIM_UID, GPU0))
     store.write(CLAIM_UID, spec_for(CLAIM_UID, GPU1))
