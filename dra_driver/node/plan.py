@@ -405,6 +405,9 @@ def _resolve(
                     "with its workloads); request it with adminAccess: true, or use the GPU class"
                 )
             return Target(gpu)  # the whole GPU as it is, in MIG mode or not: looked at, never changed
+    # MIG names only after every GPU's own names: a full GPU is found without building the names
+    # of every placement of the GPUs before it (some 20 each).
+    for gpu in inventory.gpus:
         for profile in gpu.mig_profiles:
             for placement in profile.placements:
                 if device == mig_device_name(gpu.minor, profile.name, profile.profile_id, placement.start):
