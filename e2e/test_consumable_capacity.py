@@ -21,6 +21,7 @@ from e2e.claims import claim_for_gpu, claim_of, gpu_uuid, pod_using, wait_unsche
 from e2e.cluster import ClusterInfo, JsonObject, RestClient
 from e2e.driver import DRIVER_NAME
 from e2e.gpu_node import GpuNode, published_devices
+from e2e.manifests import collection
 from e2e.workloads import cdi_devices, delete_pod, pod_claim, wait_running
 
 pytestmark = pytest.mark.e2e
@@ -129,8 +130,13 @@ def test_claims_of_10gi_are_packed_onto_one_gpu_each_with_its_own_cdi_device_and
         (device_env,) = [d["containerEdits"]["env"] for d in spec["devices"]]
         assert f"DRA_GPU_UUID_{device.upper().replace('-', '_')}={uuid}" in device_env
         cdi_ids.add(expected)
-        # The driver reports the share in the claim's status too.
-        (status,) = claim_of(rest, namespace, claim["metadata"]["name"])["status"]["devices"]
+        # The driver reports the share in the claim's status too, once the kubelet's calls pause.
+        written = rest.wait_for(
+            collection("ResourceClaim", namespace),
+            claim["metadata"]["name"],
+            lambda c: bool(c.get("status", {}).get("devices")),
+        )
+        (status,) = written["status"]["devices"]
         assert (status["device"], status["shareID"]) == (device, share_id)
     assert len(cdi_ids) == 3
     mounts = [
