@@ -308,7 +308,9 @@ def test_a_plugin_that_may_patch_nodes_is_held_to_its_own_nodes_labels(
         "nodes" in rule.get("resources", []) and "patch" in rule["verbs"] for rule in role["rules"]
     )
     policies = [
-        p for p in of_kind(manifests, "ValidatingAdmissionPolicy") if p["metadata"]["name"].endswith("-node-labels")
+        p
+        for p in of_kind(manifests, "ValidatingAdmissionPolicy")
+        if p["metadata"]["name"].endswith("-node-labels")
     ]
     bindings = [
         b
@@ -317,7 +319,8 @@ def test_a_plugin_that_may_patch_nodes_is_held_to_its_own_nodes_labels(
     ]
     assert patches_nodes == (may_set is not None)
     if may_set is None:
-        assert not policies and not bindings
+        assert not policies
+        assert not bindings
         return
     (policy,) = policies
     assert [b["spec"]["validationActions"] for b in bindings] == [["Deny"]]
