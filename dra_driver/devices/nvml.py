@@ -55,6 +55,7 @@ from dra_driver.devices.naming import (
     normalize_pci_bus_id,
     split_pci_device_id,
 )
+from dra_driver.devices.nvml_orphans import ORPHANS_FILE, Orphan, OrphanRecord, boot_id
 from dra_driver.devices.nvml_policy import NvmlComputePolicy
 from dra_driver.devices.types import (
     ComputePolicy,
@@ -153,6 +154,9 @@ class NvmlBackend:
         self._last_read: dict[int, Gpu] = {}  # by NVML index, from the last inventory
         self._owned_in_memory: set[str] = set()  # without a state directory
         self._mig_mode_switches = 0
+        self._orphans = OrphanRecord(
+            state_dir / ORPHANS_FILE if state_dir is not None else None, boot_id(procfs_root)
+        )
         library = _preload_nvml(driver_root) if driver_root is not None else None
         self._policy = NvmlComputePolicy(driver_root or Path("/"), library, state_dir)
         try:
@@ -166,6 +170,10 @@ class NvmlBackend:
             self._bounded("reconciling MIG mode", self._reconcile_mig_mode)
         except DeviceError as e:  # the GPUs still work; their MIG mode waits for the next start
             log.warning("mig_mode_reconcile_failed", error=str(e))
+        try:
+            self._bounded("destroying orphaned GPU instances", self._destroy_orphans)
+        except DeviceError as e:  # tried again at every inventory read
+            log.warning("orphaned_gpu_instances_not_destroyed", error=str(e))
 
     # --- Backend -----------------------------------------------------------------------------------
 
@@ -199,6 +207,7 @@ class NvmlBackend:
             self._destroy_mig_device(mig.parent_uuid, mig.uuid)
         except (pynvml.NVMLError, DeviceError) as e:
             log.error("abandoned_mig_device_not_destroyed", gpu=mig.parent_uuid, mig=mig.uuid, error=str(e))
+            self._orphans.add(Orphan(mig.parent_uuid, mig.profile_id, mig.placement))
             return
         log.warning("abandoned_mig_device_destroyed", gpu=mig.parent_uuid, mig=mig.uuid)
 
@@ -275,6 +284,7 @@ class NvmlBackend:
     # --- reading -----------------------------------------------------------------------------------
 
     def _inventory(self) -> Inventory:
+        self._destroy_orphans()
         try:
             count = pynvml.nvmlDeviceGetCount()
             driver_version = pynvml.nvmlSystemGetDriverVersion()
@@ -365,7 +375,9 @@ class NvmlBackend:
             )
         except (pynvml.NVMLError, DeviceError) as e:
             # Leave the GPU as it was: a MIG device nobody can use must not outlive the failure.
-            self._destroy_instances(compute_instance, gpu_instance, parent_uuid)
+            self._destroy_instances(
+                compute_instance, gpu_instance, Orphan(parent_uuid, profile_id, placement)
+            )
             if switched_on:
                 self._switch_mig_mode_off_if_unused(handle, parent_uuid)
             if isinstance(e, DeviceError):
@@ -527,8 +539,10 @@ class NvmlBackend:
         The GPU instances are listed themselves, not found through the MIG devices (compute
         instances): a GPU instance without a compute instance still holds its memory slices, and
         one with several compute instances is several MIG devices at one placement, which the
-        driver does not publish. Both are *reserved*: no device is offered that overlaps them.
+        driver does not publish. Both are *reserved*: no device is offered that overlaps them, and
+        so is an orphan of a failed rollback that still has its compute instance.
         """
+        orphans = {o for o in self._orphans.entries() if o.gpu_uuid == gpu_uuid}
         by_instance: dict[int, list[_MigHandle]] = {}
         for mig in self._mig_handles(handle):
             by_instance.setdefault(mig.gpu_instance_id, []).append(mig)
@@ -539,6 +553,9 @@ class NvmlBackend:
             for gi_id, placement in self._gpu_instances(handle, profile):
                 seen.add(gi_id)
                 migs = by_instance.get(gi_id, [])
+                if Orphan(gpu_uuid, profile.profile_id, placement) in orphans:
+                    reserved.append((profile.name, placement))  # logged as gpu_instance_orphaned
+                    continue
                 if len(migs) != 1:
                     log.warning(
                         "gpu_instance_not_published",
@@ -783,9 +800,8 @@ class NvmlBackend:
         except OSError as e:
             log.error("mig_mode_record_failed", path=str(self._mig_mode_file), error=str(e))
 
-    @staticmethod
     def _create_instances(
-        handle: Any, profile: MigProfile, placement: Placement, gpu_uuid: str
+        self, handle: Any, profile: MigProfile, placement: Placement, gpu_uuid: str
     ) -> tuple[Any, Any]:
         """A GPU instance at exactly ``placement`` and one compute instance spanning it; all or nothing."""
         where = pynvml.c_nvmlGpuInstancePlacement_t(placement.start, placement.size)
@@ -800,16 +816,16 @@ class NvmlBackend:
             )
             compute_instance = pynvml.nvmlGpuInstanceCreateComputeInstance(gpu_instance, ci_profile.id)
         except pynvml.NVMLError:
-            NvmlBackend._destroy_instances(None, gpu_instance, gpu_uuid)
+            self._destroy_instances(None, gpu_instance, Orphan(gpu_uuid, profile.profile_id, placement))
             raise
         return gpu_instance, compute_instance
 
-    @staticmethod
-    def _destroy_instances(compute_instance: Any, gpu_instance: Any, gpu_uuid: str) -> None:
+    def _destroy_instances(self, compute_instance: Any, gpu_instance: Any, orphan: Orphan) -> None:
         """Roll back a half-made MIG device: each step tried again, never given up on silently.
 
-        The caller is already failing, so a failure here is logged, not raised; a GPU instance
-        that outlives it is listed by the inventory as reserved, so its slices are never offered.
+        The caller is already failing, so a failure here is logged, not raised. A GPU instance
+        that outlives every attempt is recorded as an orphan (:mod:`nvml_orphans`): the
+        inventory lists its slices as reserved and destroys it once NVML answers again.
         """
         steps = [("compute instance", pynvml.nvmlComputeInstanceDestroy, compute_instance)]
         steps.append(("GPU instance", pynvml.nvmlGpuInstanceDestroy, gpu_instance))
@@ -822,10 +838,68 @@ class NvmlBackend:
                     break
                 except pynvml.NVMLError as e:
                     log.error(
-                        "mig_rollback_failed", gpu=gpu_uuid, instance=what, attempt=attempt, error=str(e)
+                        "mig_rollback_failed",
+                        gpu=orphan.gpu_uuid,
+                        instance=what,
+                        attempt=attempt,
+                        error=str(e),
                     )
             else:
-                return  # a GPU instance with its compute instance still there cannot be destroyed
+                # A GPU instance with its compute instance still there cannot be destroyed either.
+                self._orphans.add(orphan)
+                log.error(
+                    "gpu_instance_orphaned",
+                    gpu=orphan.gpu_uuid,
+                    profile_id=orphan.profile_id,
+                    placement=orphan.placement.start,
+                    hint="its slices stay reserved; the driver destroys it once NVML answers again",
+                )
+                return
+
+    def _destroy_orphans(self) -> None:
+        """Destroy the GPU instances failed rollbacks left behind; those NVML still refuses stay recorded."""
+        for orphan in sorted(self._orphans.entries()):
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByUUID(orphan.gpu_uuid)
+            except pynvml.NVMLError_NotFound:
+                self._orphans.discard(orphan)  # the GPU is gone from the node, and its instances with it
+                continue
+            except pynvml.NVMLError as e:
+                log.warning("orphaned_gpu_instance_not_destroyed", gpu=orphan.gpu_uuid, error=str(e))
+                continue
+            try:
+                self._destroy_orphan(handle, orphan)
+            except pynvml.NVMLError as e:
+                log.warning(
+                    "orphaned_gpu_instance_not_destroyed",
+                    gpu=orphan.gpu_uuid,
+                    placement=orphan.placement.start,
+                    error=str(e),
+                )
+                continue
+            self._orphans.discard(orphan)
+            self._switch_mig_mode_off_if_unused(handle, orphan.gpu_uuid)
+
+    def _destroy_orphan(self, handle: Any, orphan: Orphan) -> None:
+        """The orphan's compute instances, then its GPU instance; nothing if it is gone (a GPU reset)."""
+        profile = next((p for p in self._profiles(handle) if p.profile_id == orphan.profile_id), None)
+        if profile is None:
+            return
+        gi_id = next((i for i, at in self._gpu_instances(handle, profile) if at == orphan.placement), None)
+        if gi_id is None:
+            return
+        gpu_instance = pynvml.nvmlDeviceGetGpuInstanceById(handle, gi_id)
+        for mig in list(self._mig_handles(handle)):
+            if mig.gpu_instance_id == gi_id:
+                compute = pynvml.nvmlGpuInstanceGetComputeInstanceById(gpu_instance, mig.compute_instance_id)
+                pynvml.nvmlComputeInstanceDestroy(compute)
+        pynvml.nvmlGpuInstanceDestroy(gpu_instance)
+        log.warning(
+            "orphaned_gpu_instance_destroyed",
+            gpu=orphan.gpu_uuid,
+            profile=profile.name,
+            placement=orphan.placement.start,
+        )
 
 
 def _return_text(code: int) -> str:
