@@ -132,7 +132,9 @@ class NvmlBackend:
     ``sysfs_root``, ``procfs_root`` and ``dev_root`` are where the host's ``/sys``,
     ``/proc`` and ``/dev`` are visible to the plugin (``/`` in a privileged pod
     with host mounts; ``dev_root`` is the driver root when a driver container
-    creates the device nodes there).
+    creates the device nodes there). ``read_only`` makes a backend that only reads: it
+    reconciles no MIG mode, destroys no orphan and refuses every change (the hardware
+    report of ``hack/hardware-inventory.sh``).
     """
 
     def __init__(
@@ -144,7 +146,9 @@ class NvmlBackend:
         driver_root: Path | None = None,
         state_dir: Path | None = None,
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
+        read_only: bool = False,
     ) -> None:
+        self._read_only = read_only
         self._sysfs_root = sysfs_root
         self._procfs_root = procfs_root
         self._dev_root = dev_root
@@ -166,6 +170,8 @@ class NvmlBackend:
                 f"NVML not available: {e}. Run the plugin on a node with the NVIDIA driver loaded and "
                 "libnvidia-ml.so.1 on its library path, or use --simulate PROFILE for simulated GPUs"
             ) from e
+        if read_only:
+            return
         try:
             self._bounded("reconciling MIG mode", self._reconcile_mig_mode)
         except DeviceError as e:  # the GPUs still work; their MIG mode waits for the next start
@@ -195,6 +201,7 @@ class NvmlBackend:
         return self._mig_mode_switches
 
     def create_mig_device(self, parent_uuid: str, profile_id: int, placement: Placement) -> MigDevice:
+        self._check_writable("creating a MIG device")
         return self._bounded(
             f"creating a MIG device on GPU {parent_uuid}",
             lambda: self._create_mig_device(parent_uuid, profile_id, placement),
@@ -212,6 +219,7 @@ class NvmlBackend:
         log.warning("abandoned_mig_device_destroyed", gpu=mig.parent_uuid, mig=mig.uuid)
 
     def destroy_mig_device(self, parent_uuid: str, mig_uuid: str) -> None:
+        self._check_writable("destroying a MIG device")
         self._bounded(
             f"destroying MIG device {mig_uuid} on GPU {parent_uuid}",
             lambda: self._destroy_mig_device(parent_uuid, mig_uuid),
@@ -224,10 +232,15 @@ class NvmlBackend:
         )
 
     def set_compute_policy(self, gpu_uuid: str, policy: ComputePolicy) -> None:
+        self._check_writable("setting a compute policy")
         self._bounded(
             f"setting the compute policy of GPU {gpu_uuid}",
             lambda: self._policy.set(self._handle(gpu_uuid), gpu_uuid, policy),
         )
+
+    def _check_writable(self, action: str) -> None:
+        if self._read_only:
+            raise DeviceError(f"{action}: this NVML backend was opened read-only")
 
     def close(self) -> None:
         try:
@@ -284,7 +297,8 @@ class NvmlBackend:
     # --- reading -----------------------------------------------------------------------------------
 
     def _inventory(self) -> Inventory:
-        self._destroy_orphans()
+        if not self._read_only:
+            self._destroy_orphans()
         try:
             count = pynvml.nvmlDeviceGetCount()
             driver_version = pynvml.nvmlSystemGetDriverVersion()

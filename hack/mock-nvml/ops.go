@@ -14,6 +14,7 @@ import "C"
 import (
 	"os"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -213,6 +214,14 @@ func mockShutdown() C.int {
 func mockSystemGetDriverVersion(version *C.char, length C.uint) C.int {
 	return withState("nvmlSystemGetDriverVersion", 0, func(s *State) nvml.Return {
 		return putString(version, length, s.DriverVersion)
+	})
+}
+
+//export mockSystemGetNVMLVersion
+func mockSystemGetNVMLVersion(version *C.char, length C.uint) C.int {
+	return withState("nvmlSystemGetNVMLVersion", 0, func(s *State) nvml.Return {
+		// NVML's version is the CUDA major version before the driver's ("12.550.54.15").
+		return putString(version, length, strconv.Itoa(s.CudaVersion/1000)+"."+s.DriverVersion)
 	})
 }
 

@@ -594,3 +594,19 @@ def test_a_gpu_whose_mig_state_cannot_be_read_is_left_out_with_a_reason(node: No
     (left_out,) = [e for e in logs if e["event"] == "gpu_left_out_of_inventory"]
     assert left_out["index"] == 0
     assert "reading GPU 0: Unknown Error" in left_out["error"]
+
+
+def test_a_read_only_backend_changes_nothing_it_would_otherwise_clean_up(node: Node) -> None:
+    backend = node.backend()
+    uuid = _leak_a_gpu_instance(node, backend, "nvmlGpuInstanceDestroy")  # MIG mode on, by the driver
+    node.control("clear-faults")
+    before = node.mock.state()
+    reader = node.backend(read_only=True)  # would reconcile MIG mode and destroy the orphan at start
+    assert reader.inventory().gpus[0].reserved_placements == (("3g.40gb", Placement(4, 3)),)
+    for change in (
+        lambda: reader.create_mig_device(uuid, ONE_G, Placement(0, 1)),
+        lambda: reader.destroy_mig_device(uuid, "MIG-any"),
+    ):
+        with pytest.raises(DeviceError, match="opened read-only"):
+            change()
+    assert node.mock.state() == before
