@@ -983,10 +983,19 @@ func mockDeviceGetDeviceHandleFromMigDeviceHandle(device uintptr, out *uintptr) 
 
 const supportedEvents = nvml.EventTypeXidCriticalError | nvml.EventTypeSingleBitEccError | nvml.EventTypeDoubleBitEccError
 
+// supportedEvents: a GPU whose Xid events are off (the `events` command) offers only the ECC ones,
+// as GPUs and drivers without Xid event support do.
+func (g *Gpu) supportedEvents() uint64 {
+	if g.NoXidEvents {
+		return uint64(supportedEvents) &^ uint64(nvml.EventTypeXidCriticalError)
+	}
+	return uint64(supportedEvents)
+}
+
 //export mockDeviceGetSupportedEventTypes
 func mockDeviceGetSupportedEventTypes(device uintptr, types *C.ulonglong) C.int {
-	return gpuCall("nvmlDeviceGetSupportedEventTypes", device, func(*State, int) nvml.Return {
-		*types = C.ulonglong(supportedEvents)
+	return gpuCall("nvmlDeviceGetSupportedEventTypes", device, func(s *State, gpu int) nvml.Return {
+		*types = C.ulonglong(s.Gpus[gpu].supportedEvents())
 		return nvml.SUCCESS
 	})
 }
@@ -1019,7 +1028,7 @@ func mockDeviceRegisterEvents(device uintptr, types C.ulonglong, set uintptr) C.
 		if es == nil {
 			return nvml.ERROR_INVALID_ARGUMENT
 		}
-		if uint64(types)&^uint64(supportedEvents) != 0 {
+		if uint64(types)&^s.Gpus[gpu].supportedEvents() != 0 {
 			return nvml.ERROR_NOT_SUPPORTED
 		}
 		procMu.Lock()
