@@ -166,9 +166,19 @@ class NvmlBackend:
         try:
             self._bounded("starting NVML", pynvml.nvmlInit)
         except pynvml.NVMLError as e:
+            if driver_root is not None and library is None:
+                where = (
+                    f"{NVML_SONAME} is not under driver root {driver_root} (searched "
+                    f"{', '.join(LIBRARY_DIRS)}) nor on the library path: set --driver-root / "
+                    "DRA_DRIVER_ROOT (Helm driverRoot) to where the NVIDIA driver is installed"
+                )
+            else:
+                where = (
+                    f"Run the plugin on a node with the NVIDIA driver loaded and {NVML_SONAME} on its "
+                    "library path"
+                )
             raise DeviceError(
-                f"NVML not available: {e}. Run the plugin on a node with the NVIDIA driver loaded and "
-                "libnvidia-ml.so.1 on its library path, or use --simulate PROFILE for simulated GPUs"
+                f"NVML not available: {e}. {where}, or use --simulate PROFILE for simulated GPUs"
             ) from e
         if read_only:
             return

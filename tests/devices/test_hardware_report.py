@@ -9,6 +9,7 @@ device, a GPU instance without a compute instance, a pending MIG mode) and check
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -133,8 +134,10 @@ def test_the_hardware_report_lists_mig_devices_and_a_pending_mig_mode(tmp_path: 
 
 
 def test_without_nvml_in_the_driver_root_the_report_says_so_in_one_line(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
     done = subprocess.run(
         [str(SCRIPT), "--driver-root", str(tmp_path)],
+        env=env,
         capture_output=True,
         text=True,
         timeout=120,
@@ -142,7 +145,8 @@ def test_without_nvml_in_the_driver_root_the_report_says_so_in_one_line(tmp_path
     )
     assert done.returncode == 1
     (line,) = done.stderr.strip().splitlines()
-    assert line.startswith("error: hardware report: ")
+    assert line.startswith("error: hardware report: NVML not available")
+    assert f"is not under driver root {tmp_path}" in line
     assert "Traceback" not in done.stderr
 
 
