@@ -387,6 +387,8 @@ class NvmlBackend:
             )
             if created is None:
                 raise DeviceError(f"{action}: NVML lists no MIG device for new GPU instance {gi_id}")
+            # Whoever destroyed an orphan here (an administrator, a GPU reset), it is not this one.
+            self._orphans.discard_overlapping(parent_uuid, placement)
             return MigDevice(
                 uuid=created.uuid,
                 parent_uuid=parent_uuid,

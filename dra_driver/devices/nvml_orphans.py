@@ -17,6 +17,7 @@ else's.
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +54,7 @@ class OrphanRecord:
         self._path = path
         self._boot = current_boot
         self._in_memory: set[Orphan] = set()
+        self._lock = threading.Lock()  # NVML work runs in several worker threads at once
 
     def entries(self) -> set[Orphan]:
         if self._path is None:
@@ -75,12 +77,29 @@ class OrphanRecord:
         return orphans
 
     def add(self, orphan: Orphan) -> None:
-        self._write(self.entries() | {orphan})
+        with self._lock:
+            self._write(self.entries() | {orphan})
 
     def discard(self, orphan: Orphan) -> None:
-        entries = self.entries()
-        if orphan in entries:
-            self._write(entries - {orphan})
+        with self._lock:
+            entries = self.entries()
+            if orphan in entries:
+                self._write(entries - {orphan})
+
+    def discard_overlapping(self, gpu_uuid: str, placement: Placement) -> None:
+        """Forget the orphans a new GPU instance at ``placement`` proves gone: NVML refuses overlaps."""
+        with self._lock:
+            entries = self.entries()
+            stale = {
+                o
+                for o in entries
+                if o.gpu_uuid == gpu_uuid and set(o.placement.memory_slices) & set(placement.memory_slices)
+            }
+            if stale:
+                log.info(
+                    "orphan_record_gone", gpu=gpu_uuid, placements=sorted(o.placement.start for o in stale)
+                )
+                self._write(entries - stale)
 
     def _write(self, orphans: set[Orphan]) -> None:
         self._in_memory = orphans

@@ -610,3 +610,13 @@ def test_a_read_only_backend_changes_nothing_it_would_otherwise_clean_up(node: N
         with pytest.raises(DeviceError, match="opened read-only"):
             change()
     assert node.mock.state() == before
+
+
+def test_a_mig_device_made_where_an_orphan_was_is_never_taken_for_it(node: Node) -> None:
+    backend = node.backend()
+    uuid = _leak_a_gpu_instance(node, backend, "nvmlGpuInstanceDestroy")
+    node.control("clear-faults")
+    node.control("reset 0")  # the orphan goes with the reset, before the driver destroyed it
+    created = backend.create_mig_device(uuid, THREE_G, Placement(4, 3))  # a claim's, at the same place
+    assert backend.inventory().gpus[0].mig_devices == (created,)
+    assert len(node.gpu_state(0)["gpuInstances"]) == 1
