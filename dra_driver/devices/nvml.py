@@ -17,7 +17,10 @@ out of the inventory with a log line, the others are published. Optional reads
 (MIG mode, core counts, profiles) treat FunctionNotFound, what an older driver
 answers for a call it lacks, like NotSupported. Every public method runs NVML
 in a worker thread and gives up after ``call_timeout`` seconds, so an NVML call
-that hangs fails one operation with a clear error instead of hanging the daemon.
+that hangs fails one operation with a clear error instead of hanging the daemon. A GPU
+instance that a failed creation's rollback could not destroy is remembered
+(:mod:`~dra_driver.devices.nvml_orphans`), kept off the published devices, and destroyed at the
+next inventory read or start once NVML answers.
 
 Profile names come from go-nvlib's formula (:func:`mig_profile_name`), never
 from the name NVML reports in its v2 profile struct: NVIDIA's DRA driver and
