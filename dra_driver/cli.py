@@ -228,7 +228,13 @@ def _inventory(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="dra-driver-inventory-") as scratch:
         # Offline, a simulated node starts fresh unless --data-dir points at a daemon's state.
         data_dir = settings.data_dir or Path(scratch)
-        backend = open_backend(settings.simulate or None, data_dir, node)
+        backend = open_backend(
+            settings.simulate or None,
+            data_dir,
+            node,
+            driver_root=settings.driver_root_mount or settings.driver_root,  # NVML from there, as the daemon
+            procfs_root=settings.procfs_root,
+        )
         try:
             inventory = backend.inventory()
         finally:

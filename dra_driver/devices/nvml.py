@@ -17,7 +17,10 @@ out of the inventory with a log line, the others are published. Optional reads
 (MIG mode, core counts, profiles) treat FunctionNotFound, what an older driver
 answers for a call it lacks, like NotSupported. Every public method runs NVML
 in a worker thread and gives up after ``call_timeout`` seconds, so an NVML call
-that hangs fails one operation with a clear error instead of hanging the daemon.
+that hangs fails one operation with a clear error instead of hanging the daemon. A GPU
+instance that a failed creation's rollback could not destroy is remembered
+(:mod:`~dra_driver.devices.nvml_orphans`), kept off the published devices, and destroyed at the
+next inventory read or start once NVML answers.
 
 Profile names come from go-nvlib's formula (:func:`mig_profile_name`), never
 from the name NVML reports in its v2 profile struct: NVIDIA's DRA driver and
@@ -55,6 +58,7 @@ from dra_driver.devices.naming import (
     normalize_pci_bus_id,
     split_pci_device_id,
 )
+from dra_driver.devices.nvml_orphans import ORPHANS_FILE, Orphan, OrphanRecord, boot_id
 from dra_driver.devices.nvml_policy import NvmlComputePolicy
 from dra_driver.devices.types import (
     ComputePolicy,
@@ -131,7 +135,9 @@ class NvmlBackend:
     ``sysfs_root``, ``procfs_root`` and ``dev_root`` are where the host's ``/sys``,
     ``/proc`` and ``/dev`` are visible to the plugin (``/`` in a privileged pod
     with host mounts; ``dev_root`` is the driver root when a driver container
-    creates the device nodes there).
+    creates the device nodes there). ``read_only`` makes a backend that only reads: it
+    reconciles no MIG mode, destroys no orphan and refuses every change (the hardware
+    report of ``hack/hardware-inventory.sh``).
     """
 
     def __init__(
@@ -143,7 +149,9 @@ class NvmlBackend:
         driver_root: Path | None = None,
         state_dir: Path | None = None,
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
+        read_only: bool = False,
     ) -> None:
+        self._read_only = read_only
         self._sysfs_root = sysfs_root
         self._procfs_root = procfs_root
         self._dev_root = dev_root
@@ -153,19 +161,38 @@ class NvmlBackend:
         self._last_read: dict[int, Gpu] = {}  # by NVML index, from the last inventory
         self._owned_in_memory: set[str] = set()  # without a state directory
         self._mig_mode_switches = 0
+        self._orphans = OrphanRecord(
+            state_dir / ORPHANS_FILE if state_dir is not None else None, boot_id(procfs_root)
+        )
         library = _preload_nvml(driver_root) if driver_root is not None else None
         self._policy = NvmlComputePolicy(driver_root or Path("/"), library, state_dir)
         try:
             self._bounded("starting NVML", pynvml.nvmlInit)
         except pynvml.NVMLError as e:
+            if driver_root is not None and library is None:
+                where = (
+                    f"{NVML_SONAME} is not under driver root {driver_root} (searched "
+                    f"{', '.join(LIBRARY_DIRS)}) nor on the library path: set --driver-root / "
+                    "DRA_DRIVER_ROOT (Helm driverRoot) to where the NVIDIA driver is installed"
+                )
+            else:
+                where = (
+                    f"Run the plugin on a node with the NVIDIA driver loaded and {NVML_SONAME} on its "
+                    "library path"
+                )
             raise DeviceError(
-                f"NVML not available: {e}. Run the plugin on a node with the NVIDIA driver loaded and "
-                "libnvidia-ml.so.1 on its library path, or use --simulate PROFILE for simulated GPUs"
+                f"NVML not available: {e}. {where}, or use --simulate PROFILE for simulated GPUs"
             ) from e
+        if read_only:
+            return
         try:
             self._bounded("reconciling MIG mode", self._reconcile_mig_mode)
         except DeviceError as e:  # the GPUs still work; their MIG mode waits for the next start
             log.warning("mig_mode_reconcile_failed", error=str(e))
+        try:
+            self._bounded("destroying orphaned GPU instances", self._destroy_orphans)
+        except DeviceError as e:  # tried again at every inventory read
+            log.warning("orphaned_gpu_instances_not_destroyed", error=str(e))
 
     # --- Backend -----------------------------------------------------------------------------------
 
@@ -187,6 +214,7 @@ class NvmlBackend:
         return self._mig_mode_switches
 
     def create_mig_device(self, parent_uuid: str, profile_id: int, placement: Placement) -> MigDevice:
+        self._check_writable("creating a MIG device")
         return self._bounded(
             f"creating a MIG device on GPU {parent_uuid}",
             lambda: self._create_mig_device(parent_uuid, profile_id, placement),
@@ -199,10 +227,12 @@ class NvmlBackend:
             self._destroy_mig_device(mig.parent_uuid, mig.uuid)
         except (pynvml.NVMLError, DeviceError) as e:
             log.error("abandoned_mig_device_not_destroyed", gpu=mig.parent_uuid, mig=mig.uuid, error=str(e))
+            self._orphans.add(Orphan(mig.parent_uuid, mig.profile_id, mig.placement))
             return
         log.warning("abandoned_mig_device_destroyed", gpu=mig.parent_uuid, mig=mig.uuid)
 
     def destroy_mig_device(self, parent_uuid: str, mig_uuid: str) -> None:
+        self._check_writable("destroying a MIG device")
         self._bounded(
             f"destroying MIG device {mig_uuid} on GPU {parent_uuid}",
             lambda: self._destroy_mig_device(parent_uuid, mig_uuid),
@@ -215,10 +245,15 @@ class NvmlBackend:
         )
 
     def set_compute_policy(self, gpu_uuid: str, policy: ComputePolicy) -> None:
+        self._check_writable("setting a compute policy")
         self._bounded(
             f"setting the compute policy of GPU {gpu_uuid}",
             lambda: self._policy.set(self._handle(gpu_uuid), gpu_uuid, policy),
         )
+
+    def _check_writable(self, action: str) -> None:
+        if self._read_only:
+            raise DeviceError(f"{action}: this NVML backend was opened read-only")
 
     def close(self) -> None:
         try:
@@ -275,6 +310,8 @@ class NvmlBackend:
     # --- reading -----------------------------------------------------------------------------------
 
     def _inventory(self) -> Inventory:
+        if not self._read_only:
+            self._destroy_orphans()
         try:
             count = pynvml.nvmlDeviceGetCount()
             driver_version = pynvml.nvmlSystemGetDriverVersion()
@@ -353,6 +390,8 @@ class NvmlBackend:
             )
             if created is None:
                 raise DeviceError(f"{action}: NVML lists no MIG device for new GPU instance {gi_id}")
+            # Whoever destroyed an orphan here (an administrator, a GPU reset), it is not this one.
+            self._orphans.discard_overlapping(parent_uuid, placement)
             return MigDevice(
                 uuid=created.uuid,
                 parent_uuid=parent_uuid,
@@ -365,7 +404,9 @@ class NvmlBackend:
             )
         except (pynvml.NVMLError, DeviceError) as e:
             # Leave the GPU as it was: a MIG device nobody can use must not outlive the failure.
-            self._destroy_instances(compute_instance, gpu_instance, parent_uuid)
+            self._destroy_instances(
+                compute_instance, gpu_instance, Orphan(parent_uuid, profile_id, placement)
+            )
             if switched_on:
                 self._switch_mig_mode_off_if_unused(handle, parent_uuid)
             if isinstance(e, DeviceError):
@@ -527,8 +568,10 @@ class NvmlBackend:
         The GPU instances are listed themselves, not found through the MIG devices (compute
         instances): a GPU instance without a compute instance still holds its memory slices, and
         one with several compute instances is several MIG devices at one placement, which the
-        driver does not publish. Both are *reserved*: no device is offered that overlaps them.
+        driver does not publish. Both are *reserved*: no device is offered that overlaps them, and
+        so is an orphan of a failed rollback that still has its compute instance.
         """
+        orphans = {o for o in self._orphans.entries() if o.gpu_uuid == gpu_uuid}
         by_instance: dict[int, list[_MigHandle]] = {}
         for mig in self._mig_handles(handle):
             by_instance.setdefault(mig.gpu_instance_id, []).append(mig)
@@ -539,6 +582,9 @@ class NvmlBackend:
             for gi_id, placement in self._gpu_instances(handle, profile):
                 seen.add(gi_id)
                 migs = by_instance.get(gi_id, [])
+                if Orphan(gpu_uuid, profile.profile_id, placement) in orphans:
+                    reserved.append((profile.name, placement))  # logged as gpu_instance_orphaned
+                    continue
                 if len(migs) != 1:
                     log.warning(
                         "gpu_instance_not_published",
@@ -783,9 +829,8 @@ class NvmlBackend:
         except OSError as e:
             log.error("mig_mode_record_failed", path=str(self._mig_mode_file), error=str(e))
 
-    @staticmethod
     def _create_instances(
-        handle: Any, profile: MigProfile, placement: Placement, gpu_uuid: str
+        self, handle: Any, profile: MigProfile, placement: Placement, gpu_uuid: str
     ) -> tuple[Any, Any]:
         """A GPU instance at exactly ``placement`` and one compute instance spanning it; all or nothing."""
         where = pynvml.c_nvmlGpuInstancePlacement_t(placement.start, placement.size)
@@ -800,16 +845,16 @@ class NvmlBackend:
             )
             compute_instance = pynvml.nvmlGpuInstanceCreateComputeInstance(gpu_instance, ci_profile.id)
         except pynvml.NVMLError:
-            NvmlBackend._destroy_instances(None, gpu_instance, gpu_uuid)
+            self._destroy_instances(None, gpu_instance, Orphan(gpu_uuid, profile.profile_id, placement))
             raise
         return gpu_instance, compute_instance
 
-    @staticmethod
-    def _destroy_instances(compute_instance: Any, gpu_instance: Any, gpu_uuid: str) -> None:
+    def _destroy_instances(self, compute_instance: Any, gpu_instance: Any, orphan: Orphan) -> None:
         """Roll back a half-made MIG device: each step tried again, never given up on silently.
 
-        The caller is already failing, so a failure here is logged, not raised; a GPU instance
-        that outlives it is listed by the inventory as reserved, so its slices are never offered.
+        The caller is already failing, so a failure here is logged, not raised. A GPU instance
+        that outlives every attempt is recorded as an orphan (:mod:`nvml_orphans`): the
+        inventory lists its slices as reserved and destroys it once NVML answers again.
         """
         steps = [("compute instance", pynvml.nvmlComputeInstanceDestroy, compute_instance)]
         steps.append(("GPU instance", pynvml.nvmlGpuInstanceDestroy, gpu_instance))
@@ -822,10 +867,68 @@ class NvmlBackend:
                     break
                 except pynvml.NVMLError as e:
                     log.error(
-                        "mig_rollback_failed", gpu=gpu_uuid, instance=what, attempt=attempt, error=str(e)
+                        "mig_rollback_failed",
+                        gpu=orphan.gpu_uuid,
+                        instance=what,
+                        attempt=attempt,
+                        error=str(e),
                     )
             else:
-                return  # a GPU instance with its compute instance still there cannot be destroyed
+                # A GPU instance with its compute instance still there cannot be destroyed either.
+                self._orphans.add(orphan)
+                log.error(
+                    "gpu_instance_orphaned",
+                    gpu=orphan.gpu_uuid,
+                    profile_id=orphan.profile_id,
+                    placement=orphan.placement.start,
+                    hint="its slices stay reserved; the driver destroys it once NVML answers again",
+                )
+                return
+
+    def _destroy_orphans(self) -> None:
+        """Destroy the GPU instances failed rollbacks left behind; those NVML still refuses stay recorded."""
+        for orphan in sorted(self._orphans.entries()):
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByUUID(orphan.gpu_uuid)
+            except pynvml.NVMLError_NotFound:
+                self._orphans.discard(orphan)  # the GPU is gone from the node, and its instances with it
+                continue
+            except pynvml.NVMLError as e:
+                log.warning("orphaned_gpu_instance_not_destroyed", gpu=orphan.gpu_uuid, error=str(e))
+                continue
+            try:
+                self._destroy_orphan(handle, orphan)
+            except pynvml.NVMLError as e:
+                log.warning(
+                    "orphaned_gpu_instance_not_destroyed",
+                    gpu=orphan.gpu_uuid,
+                    placement=orphan.placement.start,
+                    error=str(e),
+                )
+                continue
+            self._orphans.discard(orphan)
+            self._switch_mig_mode_off_if_unused(handle, orphan.gpu_uuid)
+
+    def _destroy_orphan(self, handle: Any, orphan: Orphan) -> None:
+        """The orphan's compute instances, then its GPU instance; nothing if it is gone (a GPU reset)."""
+        profile = next((p for p in self._profiles(handle) if p.profile_id == orphan.profile_id), None)
+        if profile is None:
+            return
+        gi_id = next((i for i, at in self._gpu_instances(handle, profile) if at == orphan.placement), None)
+        if gi_id is None:
+            return
+        gpu_instance = pynvml.nvmlDeviceGetGpuInstanceById(handle, gi_id)
+        for mig in list(self._mig_handles(handle)):
+            if mig.gpu_instance_id == gi_id:
+                compute = pynvml.nvmlGpuInstanceGetComputeInstanceById(gpu_instance, mig.compute_instance_id)
+                pynvml.nvmlComputeInstanceDestroy(compute)
+        pynvml.nvmlGpuInstanceDestroy(gpu_instance)
+        log.warning(
+            "orphaned_gpu_instance_destroyed",
+            gpu=orphan.gpu_uuid,
+            profile=profile.name,
+            placement=orphan.placement.start,
+        )
 
 
 def _return_text(code: int) -> str:

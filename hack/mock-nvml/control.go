@@ -19,6 +19,7 @@ package main
 //	timeslice GPU 0-3                  the time slice, as `nvidia-smi compute-policy --set-timeslice`
 //	busy GPU on|off                    processes on the full GPU (MIG activation is IN_USE)
 //	busy-gi GPU GI on|off              processes in a GPU instance (destroying it is IN_USE)
+//	events GPU xid|no-xid              whether the GPU offers Xid events (supported event types)
 //	mig GPU 0|1                        set MIG mode as an administrator would, reset included
 //	create-gi GPU PROFILE_ID START     a GPU instance as `nvidia-smi mig -cgi` makes it
 //	create-ci GPU GI CI_PROFILE        a compute instance in it (`nvidia-smi mig -cci`)
@@ -188,6 +189,16 @@ func (s *State) run(args []string) (string, error) {
 		}
 		g.Busy, err = onOff(args, 2)
 		return "", err
+	case "events":
+		g, _, err := s.gpuArg(args, 1)
+		if err != nil {
+			return "", err
+		}
+		if len(args) < 3 || (args[2] != "xid" && args[2] != "no-xid") {
+			return "", fmt.Errorf("events: xid or no-xid")
+		}
+		g.NoXidEvents = args[2] == "no-xid"
+		return "", nil
 	case "busy-gi":
 		g, _, err := s.gpuArg(args, 1)
 		if err != nil {

@@ -45,6 +45,9 @@ const DECLDIR char *nvmlErrorString(nvmlReturn_t result) {
 nvmlReturn_t DECLDIR nvmlSystemGetDriverVersion(char *version, unsigned int length) {
     return mockSystemGetDriverVersion(version, length);
 }
+nvmlReturn_t DECLDIR nvmlSystemGetNVMLVersion(char *version, unsigned int length) {
+    return mockSystemGetNVMLVersion(version, length);
+}
 nvmlReturn_t DECLDIR nvmlSystemGetCudaDriverVersion(int *v) {
     return mockSystemGetCudaDriverVersion("nvmlSystemGetCudaDriverVersion", v);
 }

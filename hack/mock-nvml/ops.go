@@ -14,6 +14,7 @@ import "C"
 import (
 	"os"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -213,6 +214,14 @@ func mockShutdown() C.int {
 func mockSystemGetDriverVersion(version *C.char, length C.uint) C.int {
 	return withState("nvmlSystemGetDriverVersion", 0, func(s *State) nvml.Return {
 		return putString(version, length, s.DriverVersion)
+	})
+}
+
+//export mockSystemGetNVMLVersion
+func mockSystemGetNVMLVersion(version *C.char, length C.uint) C.int {
+	return withState("nvmlSystemGetNVMLVersion", 0, func(s *State) nvml.Return {
+		// NVML's version is the CUDA major version before the driver's ("12.550.54.15").
+		return putString(version, length, strconv.Itoa(s.CudaVersion/1000)+"."+s.DriverVersion)
 	})
 }
 
@@ -974,10 +983,19 @@ func mockDeviceGetDeviceHandleFromMigDeviceHandle(device uintptr, out *uintptr) 
 
 const supportedEvents = nvml.EventTypeXidCriticalError | nvml.EventTypeSingleBitEccError | nvml.EventTypeDoubleBitEccError
 
+// supportedEvents: a GPU whose Xid events are off (the `events` command) offers only the ECC ones,
+// as GPUs and drivers without Xid event support do.
+func (g *Gpu) supportedEvents() uint64 {
+	if g.NoXidEvents {
+		return uint64(supportedEvents) &^ uint64(nvml.EventTypeXidCriticalError)
+	}
+	return uint64(supportedEvents)
+}
+
 //export mockDeviceGetSupportedEventTypes
 func mockDeviceGetSupportedEventTypes(device uintptr, types *C.ulonglong) C.int {
-	return gpuCall("nvmlDeviceGetSupportedEventTypes", device, func(*State, int) nvml.Return {
-		*types = C.ulonglong(supportedEvents)
+	return gpuCall("nvmlDeviceGetSupportedEventTypes", device, func(s *State, gpu int) nvml.Return {
+		*types = C.ulonglong(s.Gpus[gpu].supportedEvents())
 		return nvml.SUCCESS
 	})
 }
@@ -1010,7 +1028,7 @@ func mockDeviceRegisterEvents(device uintptr, types C.ulonglong, set uintptr) C.
 		if es == nil {
 			return nvml.ERROR_INVALID_ARGUMENT
 		}
-		if uint64(types)&^uint64(supportedEvents) != 0 {
+		if uint64(types)&^s.Gpus[gpu].supportedEvents() != 0 {
 			return nvml.ERROR_NOT_SUPPORTED
 		}
 		procMu.Lock()

@@ -86,6 +86,9 @@ type Gpu struct {
 	// Compute mode (nvmlComputeMode_t) and time slice (0-3) of compute.go.
 	ComputeMode int `json:"computeMode,omitempty"`
 	TimeSlice   int `json:"timeSlice,omitempty"`
+
+	// No Xid events: nvmlDeviceGetSupportedEventTypes leaves the Xid bit out (the `events` command).
+	NoXidEvents bool `json:"noXidEvents,omitempty"`
 }
 
 // Fault makes calls of one NVML function fail with Code, or hang for HangMS first.

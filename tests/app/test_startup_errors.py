@@ -355,3 +355,26 @@ def test_in_a_pod_a_start_up_failure_is_one_json_log_event(node: Node) -> None:
     result = node.plugin(f"--kubeconfig={bad}", "--log-format=json", log_format=None)
     event = json_error(result, 1)
     assert "not a usable kubeconfig" in str(event["error"])
+
+
+# --- NVML -----------------------------------------------------------------------------------------
+
+
+def _without_nvml_on_the_library_path() -> dict[str, str]:
+    return {"LD_LIBRARY_PATH": "", "MOCK_NVML_MACHINE": ""}
+
+
+def test_a_driver_root_without_nvml_stops_the_plugin_in_one_line_naming_it(node: Node) -> None:
+    empty = node.base / "driver-root"
+    empty.mkdir()
+    flags = [flag for flag in node.flags(f"--driver-root={empty}") if not flag.startswith("--simulate")]
+    result = dra_driver("kubelet-plugin", *flags, env=_without_nvml_on_the_library_path())
+    one_line_error(result, 1, "libnvidia-ml.so.1", f"driver root {empty}", "--driver-root / DRA_DRIVER_ROOT")
+
+
+def test_inventory_reads_nvml_from_the_driver_root_and_says_when_it_is_not_there(tmp_path: Path) -> None:
+    env = {**_without_nvml_on_the_library_path(), "DRA_DRIVER_ROOT": str(tmp_path)}
+    result = dra_driver("inventory", env=env)
+    one_line_error(
+        result, 1, "libnvidia-ml.so.1", f"driver root {tmp_path}", "--driver-root / DRA_DRIVER_ROOT"
+    )

@@ -1,17 +1,11 @@
-"""Health sources: faults injected into the simulator, and NVML's Xid events against a fake of the GPU."""
+"""Health sources: faults injected into the simulator; NVML's are in test_nvml_health.py, on the mock."""
 
 from __future__ import annotations
 
 import asyncio
-import inspect
-import queue
-import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import pynvml
 import pytest
 from structlog.testing import capture_logs
 
@@ -20,7 +14,6 @@ from dra_driver.devices.health import (
     Fault,
     FaultKind,
     NodeFaults,
-    NvmlHealthSource,
     SimulatedHealthSource,
     carry_over,
     open_health_source,
@@ -182,202 +175,3 @@ async def test_an_unreadable_state_file_is_logged_and_read_again(tmp_path: Path)
 
 def test_each_backend_gets_its_own_source(simulated: SimulatedBackend) -> None:
     assert isinstance(open_health_source(simulated), SimulatedHealthSource)
-
-
-# --- NVML ----------------------------------------------------------------------------------------
-
-
-@dataclass
-class FakeHandle:
-    uuid: str
-    xid_events: bool = True
-    lost: bool = False
-
-
-@dataclass
-class FakeEvent:
-    device: FakeHandle
-    eventType: int
-    eventData: int
-    gpuInstanceId: int = 0xFFFFFFFF
-    computeInstanceId: int = 0xFFFFFFFF
-
-
-@dataclass
-class FakeNvml:
-    """The event-set part of NVML, answering like GPUs that raise Xids and fall off the bus would."""
-
-    gpus: list[FakeHandle]
-    events: queue.Queue[FakeEvent] = field(default_factory=queue.Queue)
-    registered: list[str] = field(default_factory=list)
-    waiting: threading.Event = field(default_factory=threading.Event)
-    freed_while_waiting: bool | None = None
-    _in_wait: int = 0
-
-    def raise_xid(self, gpu: int, number: int, gpu_instance: int = 0xFFFFFFFF) -> None:
-        self.events.put(
-            FakeEvent(
-                self.gpus[gpu], pynvml.nvmlEventTypeXidCriticalError, number, gpuInstanceId=gpu_instance
-            )
-        )
-
-    def nvmlEventSetCreate(self) -> str:
-        return "event-set"
-
-    def nvmlDeviceGetCount(self) -> int:
-        return len(self.gpus)
-
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeHandle:
-        return self.gpus[index]
-
-    def nvmlDeviceGetUUID(self, handle: FakeHandle) -> str:
-        if handle.lost:
-            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
-        return handle.uuid
-
-    def nvmlDeviceGetSupportedEventTypes(self, handle: FakeHandle) -> int:
-        return pynvml.nvmlEventTypeXidCriticalError if handle.xid_events else pynvml.nvmlEventTypePState
-
-    def nvmlDeviceRegisterEvents(self, handle: FakeHandle, types: int, event_set: str) -> None:
-        assert (event_set, types) == ("event-set", pynvml.nvmlEventTypeXidCriticalError)
-        self.registered.append(handle.uuid)
-
-    def nvmlEventSetWait(self, event_set: str, timeout_ms: int) -> FakeEvent:
-        self._in_wait += 1
-        self.waiting.set()
-        try:
-            return self.events.get(timeout=timeout_ms / 1000)
-        except queue.Empty:
-            raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT) from None
-        finally:
-            self._in_wait -= 1
-
-    def nvmlEventSetFree(self, event_set: str) -> None:
-        self.freed_while_waiting = self._in_wait > 0
-
-    def nvmlDeviceGetMemoryInfo(self, handle: FakeHandle) -> object:
-        if handle.lost:
-            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
-        return object()
-
-
-def _forbidden(name: str) -> Any:
-    def call(*args: object, **kwargs: object) -> None:
-        raise AssertionError(f"the health source must not call pynvml.{name}")
-
-    return call
-
-
-@pytest.fixture
-def nvml(monkeypatch: pytest.MonkeyPatch) -> FakeNvml:
-    fake = FakeNvml([FakeHandle("GPU-0"), FakeHandle("GPU-1"), FakeHandle("GPU-2", xid_events=False)])
-    for name in dir(pynvml):
-        if name.startswith("nvml") and inspect.isfunction(getattr(pynvml, name)):
-            monkeypatch.setattr(pynvml, name, getattr(fake, name, _forbidden(name)))
-    return fake
-
-
-@pytest.fixture
-async def nvml_updates(nvml: FakeNvml) -> AsyncIterator[tuple[AsyncIterator[NodeFaults], Clock]]:
-    clock = Clock()
-    updates = NvmlHealthSource(poll_seconds=0.02, clock=clock).watch()
-    yield updates, clock
-    await updates.aclose()  # type: ignore[attr-defined]
-
-
-UNMONITORED = Fault(FaultKind.UNMONITORED, since=T0, detail="NVML offers no Xid events for this GPU")
-
-
-async def test_a_gpu_without_xid_events_is_reported_unmonitored(
-    nvml: FakeNvml, nvml_updates: tuple[AsyncIterator[NodeFaults], Clock]
-) -> None:
-    updates, _ = nvml_updates
-    assert await next_report(updates) == {"GPU-2": (UNMONITORED,)}
-    assert nvml.registered == ["GPU-0", "GPU-1"]
-
-
-async def test_critical_xids_are_faults_and_application_xids_are_not(
-    nvml: FakeNvml, nvml_updates: tuple[AsyncIterator[NodeFaults], Clock]
-) -> None:
-    updates, clock = nvml_updates
-    await next_report(updates)
-    clock.now += 10
-    for number in (13, 43, 48):
-        nvml.raise_xid(1, number, gpu_instance=3)
-    assert await next_report(updates) == {
-        "GPU-1": (xid(48, since=T0 + 10, detail="GPU instance 3"),),
-        "GPU-2": (UNMONITORED,),
-    }
-
-
-async def test_a_burst_of_events_is_reported_and_logged_once_per_fault(
-    nvml: FakeNvml, nvml_updates: tuple[AsyncIterator[NodeFaults], Clock]
-) -> None:
-    updates, _ = nvml_updates
-    await next_report(updates)
-    with capture_logs() as logs:
-        for _ in range(1000):
-            nvml.raise_xid(0, 94)
-        nvml.raise_xid(0, 95)
-        report = await next_report(updates)
-        while len(report.get("GPU-0", ())) < 2:
-            report = await next_report(updates)
-    assert report["GPU-0"] == (xid(94), xid(95))
-    assert [entry["xid"] for entry in logs if entry["event"] == "critical Xid on a GPU"] == [94, 95]
-
-
-async def test_an_event_for_a_gpu_the_driver_does_not_know_is_logged_and_ignored(
-    nvml: FakeNvml, nvml_updates: tuple[AsyncIterator[NodeFaults], Clock]
-) -> None:
-    updates, _ = nvml_updates
-    await next_report(updates)
-    with capture_logs() as logs:
-        nvml.events.put(FakeEvent(FakeHandle("GPU-stranger"), pynvml.nvmlEventTypeXidCriticalError, 79))
-        nvml.raise_xid(0, 79)  # a known one after it, to know the first was handled
-        report = await next_report(updates)
-    assert report.keys() == {"GPU-0", "GPU-2"}
-    (warning,) = [
-        entry for entry in logs if entry["event"] == "an Xid event names a GPU the driver does not know"
-    ]
-    assert warning["gpu"] == "GPU-stranger"
-
-
-async def test_a_lost_gpu_is_reported_and_recovers_with_all_its_faults_once_it_answers(
-    nvml: FakeNvml, nvml_updates: tuple[AsyncIterator[NodeFaults], Clock]
-) -> None:
-    updates, _ = nvml_updates
-    await next_report(updates)
-    nvml.raise_xid(0, 79)
-    assert (await next_report(updates))["GPU-0"] == (xid(79),)
-    nvml.gpus[0].lost = True
-    lost = Fault(FaultKind.GPU_LOST, since=T0)
-    assert (await next_report(updates))["GPU-0"] == (xid(79), lost)
-    nvml.gpus[0].lost = False  # reset by an administrator
-    assert await next_report(updates) == {"GPU-2": (UNMONITORED,)}
-
-
-async def test_an_xid_on_a_gpu_that_was_never_lost_lasts(
-    nvml: FakeNvml, nvml_updates: tuple[AsyncIterator[NodeFaults], Clock]
-) -> None:
-    updates, _ = nvml_updates
-    await next_report(updates)
-    nvml.raise_xid(1, 48)
-    assert (await next_report(updates))["GPU-1"] == (xid(48),)
-    nvml.gpus[0].lost = True  # another GPU changes, so a report follows
-    report = await next_report(updates)
-    assert report["GPU-1"] == (xid(48),)
-
-
-async def test_stopping_frees_the_event_set_only_after_the_wait_returned(nvml: FakeNvml) -> None:
-    updates = NvmlHealthSource(poll_seconds=0.5, clock=Clock()).watch()
-
-    async def consume() -> None:
-        async for _ in updates:
-            pass
-
-    task = asyncio.create_task(consume())
-    await asyncio.to_thread(nvml.waiting.wait, GUARD_S)  # the worker thread now blocks in the wait
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert nvml.freed_while_waiting is False

@@ -489,25 +489,89 @@ def test_a_gpu_lost_later_stays_as_last_read_so_its_taint_has_a_device(node: Nod
     assert [e["index"] for e in logs if e["event"] == "gpu_read_failed_kept_as_last_read"] == [1]
 
 
-def test_a_rollback_that_fails_every_attempt_leaves_the_slices_reserved_not_free(node: Node) -> None:
-    backend = node.backend()
+def _leak_a_gpu_instance(node: Node, backend: NvmlBackend, function: str) -> str:
+    """A MIG device whose creation fails after its GPU instance, and whose rollback keeps failing."""
     uuid = backend.inventory().gpus[0].uuid
     (node.procfs / "devices").write_text(
         "Character devices:\n195 nvidia\n\nBlock devices:\n"
     )  # no nvidia-caps
-    node.control("fail nvmlGpuInstanceDestroy 999 count=3")  # each of the rollback's attempts
+    node.control(f"fail {function} 999 count=50")  # beyond every attempt of the rollback
     with capture_logs() as logs, pytest.raises(DeviceError, match="no nvidia-caps"):
         backend.create_mig_device(uuid, THREE_G, Placement(4, 3))
     assert [e["attempt"] for e in logs if e["event"] == "mig_rollback_failed"] == [1, 2, 3]
+    assert [e["event"] for e in logs if e["event"] == "gpu_instance_orphaned"] == ["gpu_instance_orphaned"]
+    install_procfs(node.procfs)
+    return uuid
+
+
+def _offered_one_g(backend: NvmlBackend) -> set[int]:
+    offered = {d["name"] for d in build_devices(backend.inventory())[0].devices}
+    return {start for start in range(7) if f"gpu-0-mig-1g10gb-{ONE_G}-{start}" in offered}
+
+
+def test_a_gpu_instance_a_failing_rollback_left_is_reserved_then_destroyed_once_nvml_answers(
+    node: Node,
+) -> None:
+    backend = node.backend()
+    _leak_a_gpu_instance(node, backend, "nvmlGpuInstanceDestroy")
     (left,) = node.gpu_state(0)["gpuInstances"]  # the GPU instance outlived the rollback ...
     assert left["computeInstances"] == []
-    install_procfs(node.procfs)
+    # ... and while NVML keeps failing, the refresh cannot destroy it: its slices are never offered.
     inventory = backend.inventory()
-    # ... and its slices are never offered: no device is published that overlaps them.
     assert inventory.gpus[0].reserved_placements == (("3g.40gb", Placement(4, 3)),)
-    offered = {d["name"] for d in build_devices(inventory)[0].devices}
-    one_g = {f"gpu-0-mig-1g10gb-{ONE_G}-{start}" for start in range(7)}
-    assert offered & one_g == {f"gpu-0-mig-1g10gb-{ONE_G}-{start}" for start in (0, 1, 2, 3)}
+    assert _offered_one_g(backend) == {0, 1, 2, 3}
+    node.control("clear-faults")
+    with capture_logs() as logs:
+        assert _offered_one_g(backend) == set(range(7))  # the next refresh destroyed it
+    assert node.gpu_state(0)["gpuInstances"] == []
+    assert node.gpu_state(0)["migCurrent"] == 0  # the driver had switched MIG mode on for it
+    assert [e["placement"] for e in logs if e["event"] == "orphaned_gpu_instance_destroyed"] == [4]
+    assert backend.inventory().gpus[0].reserved_placements == ()
+
+
+def test_a_compute_instance_a_failing_rollback_left_is_not_published_and_is_destroyed_later(
+    node: Node,
+) -> None:
+    backend = node.backend()
+    _leak_a_gpu_instance(node, backend, "nvmlComputeInstanceDestroy")
+    (left,) = node.gpu_state(0)["gpuInstances"]
+    assert len(left["computeInstances"]) == 1  # a whole MIG device, that no claim holds
+    gpu = backend.inventory().gpus[0]
+    assert (gpu.mig_devices, gpu.reserved_placements) == ((), (("3g.40gb", Placement(4, 3)),))
+    node.control("clear-faults")
+    assert _offered_one_g(backend) == set(range(7))
+    assert node.gpu_state(0)["gpuInstances"] == []
+
+
+def test_an_orphaned_gpu_instance_is_destroyed_at_the_next_start(
+    make_node: Callable[..., Node], tmp_path: Path
+) -> None:
+    hardware = tmp_path / "hardware"
+    node = make_node("dgxh100:2", mock_state=hardware)
+    _leak_a_gpu_instance(node, node.backend(), "nvmlGpuInstanceDestroy")
+    node.control("clear-faults")
+    node.restart("dgxh100:2", hardware)
+    node.backend()  # starting is enough: before any inventory is read
+    assert node.gpu_state(0)["gpuInstances"] == []
+
+
+def test_an_orphan_record_from_before_a_reboot_touches_no_new_gpu_instance(
+    make_node: Callable[..., Node], tmp_path: Path
+) -> None:
+    hardware = tmp_path / "hardware"
+    node = make_node("dgxh100:2", mock_state=hardware)
+    boot = node.procfs / "sys" / "kernel" / "random" / "boot_id"
+    boot.parent.mkdir(parents=True)
+    boot.write_text("boot-1\n")
+    _leak_a_gpu_instance(node, node.backend(), "nvmlGpuInstanceDestroy")
+    node.control("clear-faults")
+    node.restart("dgxh100:2", hardware)
+    node.control("reboot")
+    boot.write_text("boot-2\n")
+    node.control("mig 0 1")  # an administrator's instance where the orphan was
+    gi = node.control(f"create-gi 0 {THREE_G} 4")
+    node.backend().inventory()
+    assert [g["id"] for g in node.gpu_state(0)["gpuInstances"]] == [int(gi)]
 
 
 def test_a_control_node_that_loads_after_start_is_in_the_next_inventory(node: Node) -> None:
@@ -530,3 +594,29 @@ def test_a_gpu_whose_mig_state_cannot_be_read_is_left_out_with_a_reason(node: No
     (left_out,) = [e for e in logs if e["event"] == "gpu_left_out_of_inventory"]
     assert left_out["index"] == 0
     assert "reading GPU 0: Unknown Error" in left_out["error"]
+
+
+def test_a_read_only_backend_changes_nothing_it_would_otherwise_clean_up(node: Node) -> None:
+    backend = node.backend()
+    uuid = _leak_a_gpu_instance(node, backend, "nvmlGpuInstanceDestroy")  # MIG mode on, by the driver
+    node.control("clear-faults")
+    before = node.mock.state()
+    reader = node.backend(read_only=True)  # would reconcile MIG mode and destroy the orphan at start
+    assert reader.inventory().gpus[0].reserved_placements == (("3g.40gb", Placement(4, 3)),)
+    for change in (
+        lambda: reader.create_mig_device(uuid, ONE_G, Placement(0, 1)),
+        lambda: reader.destroy_mig_device(uuid, "MIG-any"),
+    ):
+        with pytest.raises(DeviceError, match="opened read-only"):
+            change()
+    assert node.mock.state() == before
+
+
+def test_a_mig_device_made_where_an_orphan_was_is_never_taken_for_it(node: Node) -> None:
+    backend = node.backend()
+    uuid = _leak_a_gpu_instance(node, backend, "nvmlGpuInstanceDestroy")
+    node.control("clear-faults")
+    node.control("reset 0")  # the orphan goes with the reset, before the driver destroyed it
+    created = backend.create_mig_device(uuid, THREE_G, Placement(4, 3))  # a claim's, at the same place
+    assert backend.inventory().gpus[0].mig_devices == (created,)
+    assert len(node.gpu_state(0)["gpuInstances"]) == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -63,15 +64,117 @@ async def test_an_xid_event_is_reported_and_an_application_xid_is_not(
     await updates.aclose()  # type: ignore[attr-defined]
 
 
-async def test_a_lost_gpu_is_reported_until_it_is_reset(backend: NvmlBackend, mock: MockNvml) -> None:
+def xid(number: int, detail: str = "") -> Fault:
+    return Fault(FaultKind.XID, T0, xid=number, detail=detail)
+
+
+async def test_a_lost_gpu_is_reported_and_recovers_with_all_its_faults_once_it_is_reset(
+    backend: NvmlBackend, mock: MockNvml
+) -> None:
     updates = watch(backend)
     assert await next_report(updates) == {}
-    mock.control("lose 0")
     first = uuids(backend)[0]
-    assert await next_report(updates) == {first: (Fault(FaultKind.GPU_LOST, T0),)}
-    mock.control("reset 0")
+    mock.control("xid 0 79")
+    assert await next_report(updates) == {first: (xid(79),)}
+    mock.control("lose 0")
+    assert await next_report(updates) == {first: (xid(79), Fault(FaultKind.GPU_LOST, T0))}
+    mock.control("reset 0")  # by an administrator: the Xid ends with it
     assert await next_report(updates) == {}
     await updates.aclose()  # type: ignore[attr-defined]
+
+
+async def test_an_xid_on_a_gpu_that_was_never_lost_lasts(backend: NvmlBackend, mock: MockNvml) -> None:
+    updates = watch(backend)
+    assert await next_report(updates) == {}
+    first, second = uuids(backend)
+    mock.control("xid 1 48")
+    assert await next_report(updates) == {second: (xid(48),)}
+    mock.control("lose 0")  # another GPU changes, so a report follows
+    assert await next_report(updates) == {second: (xid(48),), first: (Fault(FaultKind.GPU_LOST, T0),)}
+    await updates.aclose()  # type: ignore[attr-defined]
+
+
+async def test_a_gpu_without_xid_events_is_reported_unmonitored(backend: NvmlBackend, mock: MockNvml) -> None:
+    mock.control("events 1 no-xid")  # its supported event types leave Xids out
+    updates = watch(backend)
+    first, second = uuids(backend)
+    unmonitored = Fault(FaultKind.UNMONITORED, T0, detail="NVML offers no Xid events for this GPU")
+    assert await next_report(updates) == {second: (unmonitored,)}
+    mock.control("xid 1 79")  # not registered for: never seen
+    mock.control("xid 0 79")
+    assert await next_report(updates) == {first: (xid(79),), second: (unmonitored,)}
+    await updates.aclose()  # type: ignore[attr-defined]
+
+
+async def test_a_burst_of_events_is_reported_and_logged_once_per_fault(
+    backend: NvmlBackend, mock: MockNvml
+) -> None:
+    updates = watch(backend)
+    assert await next_report(updates) == {}
+    first = uuids(backend)[0]
+    with capture_logs() as logs:
+        for _ in range(1000):
+            mock.control("xid 0 94")
+        mock.control("xid 0 95")
+        report = await next_report(updates)
+        while len(report.get(first, ())) < 2:
+            report = await next_report(updates)
+    assert report == {first: (xid(94), xid(95))}
+    assert [entry["xid"] for entry in logs if entry["event"] == "critical Xid on a GPU"] == [94, 95]
+    await updates.aclose()  # type: ignore[attr-defined]
+
+
+async def test_an_xid_event_whose_gpu_nvml_cannot_name_is_logged_and_ignored(
+    backend: NvmlBackend, mock: MockNvml
+) -> None:
+    updates = watch(backend)
+    assert await next_report(updates) == {}
+    second = uuids(backend)[1]
+    mock.control("fail nvmlDeviceGetUUID 999 gpu=0 count=1")  # the event's device, asked its uuid
+    with capture_logs() as logs:
+        mock.control("xid 0 79")
+        mock.control("xid 1 48")  # a known one after it, to know the first was handled
+        assert await next_report(updates) == {second: (xid(48),)}
+    (warning,) = [e for e in logs if e["event"].startswith("an Xid event names a GPU NVML cannot identify")]
+    assert warning["xid"] == 79
+    await updates.aclose()  # type: ignore[attr-defined]
+
+
+async def test_stopping_frees_the_event_set_only_after_the_wait_returned(
+    backend: NvmlBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    in_wait = 0
+    waiting = threading.Event()
+    freed_while_waiting: list[bool] = []
+    wait, free = pynvml.nvmlEventSetWait, pynvml.nvmlEventSetFree
+
+    def traced_wait(*args: Any) -> Any:
+        nonlocal in_wait
+        in_wait += 1
+        waiting.set()
+        try:
+            return wait(*args)
+        finally:
+            in_wait -= 1
+
+    def traced_free(event_set: Any) -> None:
+        freed_while_waiting.append(in_wait > 0)
+        free(event_set)
+
+    monkeypatch.setattr(pynvml, "nvmlEventSetWait", traced_wait)
+    monkeypatch.setattr(pynvml, "nvmlEventSetFree", traced_free)
+    updates = open_health_source(backend, poll_seconds=0.5, clock=lambda: T0).watch()
+
+    async def consume() -> None:
+        async for _ in updates:
+            pass
+
+    task = asyncio.create_task(consume())
+    assert await asyncio.to_thread(waiting.wait, GUARD_S)  # the worker thread now blocks in the wait
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert freed_while_waiting == [False]  # freed once, after NVML's wait had returned
 
 
 async def test_a_lost_gpu_costs_one_wait_per_period_not_a_busy_loop(
