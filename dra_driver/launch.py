@@ -17,6 +17,7 @@ removes the sockets, and ends with the same one-line error as a failure before t
 from __future__ import annotations
 
 import asyncio
+import importlib
 import signal
 import time
 from dataclasses import dataclass
@@ -58,7 +59,10 @@ async def run_plugin(settings: Settings, stop: asyncio.Event | None = None) -> N
     )
     await plugin.start()
     try:
-        # The kube client, aiohttp, the GPU backend: imported now, while the kubelet registers us.
+        # The kube client, aiohttp, the GPU backends: 0.3 s and more of imports, while the kubelet
+        # registers us. In a thread: the event loop must answer GetInfo meanwhile (the kubelet
+        # gives it 1 s), and an import holds the loop for as long as it runs.
+        await asyncio.to_thread(importlib.import_module, "dra_driver.app")
         from dra_driver.app import serve_node
 
         await serve_node(settings, KubeletFront(plugin, claims, health), stop, started)

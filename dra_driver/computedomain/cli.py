@@ -16,7 +16,6 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dra_driver.computedomain.api import Names
 from dra_driver.errors import EXIT_USAGE, StartupError
 from dra_driver.log import configure
 from dra_driver.settings import DEFAULT_DRIVER_NAME, ENV_PREFIX, LogFormat
@@ -140,6 +139,7 @@ def _controller(args: argparse.Namespace) -> int:
 
 
 def _daemon(args: argparse.Namespace) -> int:
+    from dra_driver.computedomain.api import Names
     from dra_driver.computedomain.daemon import DaemonIdentity, run_daemon
 
     _setup(args)
