@@ -535,7 +535,12 @@ async def _serve(
         )
         # What start-up made (modules, classes, the settings) lives as long as the process: out of
         # the collector's generations, so a full collection walks only what claims allocate since.
+        # Its garbage is collected first (freezing it would keep it for good). The collector was
+        # off until now when started as `dra-driver` (dra_driver.__main__).
+        gc.collect()
         gc.freeze()
+        gc.enable()
+        trimmer.idle()  # and what start-up freed goes back to the kernel, as after a burst
         tasks = [
             asyncio.create_task(publisher.run()),
             asyncio.create_task(watch.run()),

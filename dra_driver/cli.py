@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import signal
 import sys
 import tempfile
@@ -97,6 +98,8 @@ def _exit(message: str, code: int, argv: list[str]) -> int:
 def _run(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command != "kubelet-plugin":
+        gc.enable()  # off for the imports (dra_driver.__main__); the daemon turns it on once it serves
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
+from dra_driver.__main__ import main as dra_driver_main
 from dra_driver.devices.sim_nodes import NODE_PROFILES
 
 
@@ -117,3 +120,14 @@ def test_the_daemon_reaches_its_sockets_without_the_api_client() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     imported = set(result.stdout.split())  # a package's submodule brings the package in too
     assert [name for name in AFTER_THE_SOCKETS if name in imported] == []
+
+
+def test_commands_other_than_the_daemon_run_with_the_collector_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dra-driver` turns the cyclic garbage collector off for its imports; a long-running command
+    (the webhook, the ComputeDomain controller) must not keep it off."""
+    monkeypatch.setattr(sys, "argv", ["dra-driver", "inventory", "--list-profiles"])
+    try:
+        assert dra_driver_main() == 0
+        assert gc.isenabled()
+    finally:
+        gc.enable()
