@@ -287,6 +287,49 @@ def test_compute_domains_use_nvidias_names_when_deployed_as_nvidia(helm: Path) -
     ]
 
 
+@pytest.mark.parametrize(
+    ("values", "may_set"),
+    [
+        ({}, ["resource.dra-driver.dev/computeDomain"]),  # the defaults: ComputeDomains on, GFD labels off
+        ({"nodeLabels": True}, ['k.startsWith("nvidia.com/")', "resource.dra-driver.dev/computeDomain"]),
+        ({"nodeLabels": True, "computeDomains": False}, ['k.startsWith("nvidia.com/")']),
+        ({"computeDomains": False}, None),
+    ],
+    ids=["defaults", "node-labels", "node-labels-only", "neither"],
+)
+def test_a_plugin_that_may_patch_nodes_is_held_to_its_own_nodes_labels(
+    helm: Path, values: dict[str, Any], may_set: list[str] | None
+) -> None:
+    # RBAC cannot narrow a Node patch to one node or to some labels: the node policy must be there
+    # whenever the plugin's role grants the patch, and allow only the labels the plugin sets.
+    manifests = [m for m in render(helm, values) if not _compute_domain_object(m)]
+    (role,) = of_kind(manifests, "ClusterRole")
+    patches_nodes = any(
+        "nodes" in rule.get("resources", []) and "patch" in rule["verbs"] for rule in role["rules"]
+    )
+    policies = [
+        p
+        for p in of_kind(manifests, "ValidatingAdmissionPolicy")
+        if p["metadata"]["name"].endswith("-node-labels")
+    ]
+    bindings = [
+        b
+        for b in of_kind(manifests, "ValidatingAdmissionPolicyBinding")
+        if b["spec"]["policyName"].endswith("-node-labels")
+    ]
+    assert patches_nodes == (may_set is not None)
+    if may_set is None:
+        assert not policies
+        assert not bindings
+        return
+    (policy,) = policies
+    assert [b["spec"]["validationActions"] for b in bindings] == [["Deny"]]
+    labels_rule = policy["spec"]["validations"][1]["expression"]
+    for allowed in may_set:
+        assert allowed in labels_rule
+    assert ('k.startsWith("nvidia.com/")' in labels_rule) == ("nodeLabels" in values)
+
+
 def test_compute_domains_can_be_left_out(helm: Path) -> None:
     manifests = render(helm, {"computeDomainController": {"enabled": False}})
     assert not [m for m in manifests if _compute_domain_object(m)]

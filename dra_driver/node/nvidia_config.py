@@ -129,10 +129,12 @@ _KINDS: dict[str, type[GpuConfig] | type[MigDeviceConfig]] = {
 UNSUPPORTED_KINDS: Final[Mapping[str, str]] = {
     "VfioDeviceConfig": "VFIO passthrough (NVIDIA's PassthroughSupport feature) is not supported: this "
     "driver publishes no gpu-vfio-* devices and never binds a GPU to vfio-pci",
-    "ComputeDomainChannelConfig": "ComputeDomains (IMEX channels) are served by NVIDIA's "
-    "compute-domain.nvidia.com driver, not by this GPU driver",
-    "ComputeDomainDaemonConfig": "ComputeDomains (IMEX daemons) are served by NVIDIA's "
-    "compute-domain.nvidia.com driver, not by this GPU driver",
+    "ComputeDomainChannelConfig": "ComputeDomains (IMEX channels) are served by the compute-domain "
+    "driver (compute-domain.nvidia.com beside gpu.nvidia.com; the chart's computeDomains), not by this "
+    "GPU driver: use the ResourceClaimTemplate the ComputeDomain creates",
+    "ComputeDomainDaemonConfig": "ComputeDomains (IMEX daemons) are served by the compute-domain "
+    "driver (compute-domain.nvidia.com beside gpu.nvidia.com; the chart's computeDomains), not by this "
+    "GPU driver: its controller creates the daemons' claims",
 }
 
 

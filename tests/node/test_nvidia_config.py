@@ -124,7 +124,7 @@ def test_nvidia_config_means_the_same_in_our_api(parameters: dict[str, Any], our
         ),
         (
             nvidia("ComputeDomainChannelConfig"),
-            "ComputeDomains (IMEX channels) are served by NVIDIA's compute-domain.nvidia.com driver",
+            "ComputeDomains (IMEX channels) are served by the compute-domain driver",
         ),
         (
             nvidia("TpuConfig"),
