@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.claims import AllocatedClaims
-from bench.daemon import Daemon, DaemonConfig, StartupTimes, imported_rss_mib, python_seconds
+from bench.daemon import DAEMON_MODULES, Daemon, DaemonConfig, StartupTimes, imported_rss_mib, python_seconds
 from bench.kubelet import BenchFailure, DraClient
 from bench.report import (
     BurstRound,
@@ -141,7 +141,7 @@ async def _measure(cluster: ClusterInfo, base: Path) -> Measurements:
     async def floors() -> None:
         # Before each start, so that the floors and the start see the machine in the same state.
         bare.append(await asyncio.to_thread(python_seconds, "pass"))
-        imports.append(await asyncio.to_thread(python_seconds, "import dra_driver.app"))
+        imports.append(await asyncio.to_thread(python_seconds, f"import {DAEMON_MODULES}"))
 
     run = await measure_daemon(lambda where: Daemon(config, base / where), claims, cluster.kubeconfig, floors)
     return Measurements(

@@ -1,43 +1,38 @@
 """The kubelet-plugin daemon: wires discovery, publishing, the kubelet sockets and prepare together.
 
-Start-up order matters to the kubelet: the checkpoint is repaired before any socket exists (so a
-re-prepare after a crash sees the truth), the DRA socket serves before the registration socket
-appears (the kubelet dials the endpoint right after GetInfo), and slices are published in the
-background so an API outage delays nothing on the node.
+Start-up order matters to the kubelet: the sockets are already open when this runs
+(:mod:`dra_driver.launch`), and claim calls wait until the checkpoint is repaired (so a re-prepare
+after a crash sees the truth); slices are published in the background so an API outage delays
+nothing on the node. What only some nodes use is imported only there: ComputeDomains behind
+their gate, the status server and its metrics behind an HTTP address.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
+import gc
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 from dra_driver import kube
 from dra_driver.cdi.spec import CommonEdits, common_edits
 from dra_driver.cdi.store import SpecStore
-from dra_driver.computedomain.plugin import ComputeDomainPlugin
 from dra_driver.devices.backend import Backend, DeviceError
 from dra_driver.devices.backends import open_backend
 from dra_driver.devices.driver_root import find_cdi_hook, find_driver_files, parse_capabilities
-from dra_driver.devices.health import FaultKind, HealthSource, NodeFaults, open_health_source
+from dra_driver.devices.faults import FaultKind, NodeFaults
+from dra_driver.devices.health import HealthSource, open_health_source
 from dra_driver.devices.simulated import STATE_FILE_NAME
 from dra_driver.devices.types import HealthState, Inventory
 from dra_driver.errors import StartupError
-from dra_driver.http import StatusServer
-from dra_driver.kubelet.health import HealthBoard
-from dra_driver.kubelet.server import KubeletPlugin
 from dra_driver.labels.gfd import gfd_labels
 from dra_driver.labels.labeller import NodeLabeller
 from dra_driver.memory import HeapTrimmer, settle_collector
-from dra_driver.metrics import Metrics
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
 from dra_driver.node.claim_status import ApiServerClaimStatus, ClaimStatusWriter
 from dra_driver.node.preparer import NodePreparer
@@ -66,15 +61,15 @@ from dra_driver.resources.taints import (
 from dra_driver.resources.wire import DeviceTaint
 from dra_driver.rest import JsonApi
 from dra_driver.settings import Settings, TaintsOnRecovery, partition_gpus, xid_numbers
-from dra_driver.startup import (
-    check_before_starting,
-    check_mig_partitions,
-    load_kube_configuration,
-    start_status_server,
-)
+from dra_driver.startup import check_mig_partitions, load_kube_configuration, start_status_server
 
 if TYPE_CHECKING:  # only for the annotations: dra_driver.kube imports the client's machinery
     from kubernetes.aio.client import ApiClient
+
+    from dra_driver.computedomain.plugin import ComputeDomainPlugin
+    from dra_driver.http import StatusServer
+    from dra_driver.launch import KubeletFront
+    from dra_driver.metrics import Metrics
 
 log = structlog.get_logger("dra_driver.app")
 
@@ -335,40 +330,24 @@ class HealthWatch:
         self._on_change()
 
 
-class ClaimDevicesCollector(Collector):
-    """``dra_driver_claim_device_info``: which GPU or MIG device each prepared claim holds, and its health."""
+async def serve_node(settings: Settings, kubelet: KubeletFront, stop: asyncio.Event, started: float) -> None:
+    """Build the daemon behind the open kubelet sockets and serve until ``stop``.
 
-    def __init__(self, writer: ClaimStatusWriter) -> None:
-        self._writer = writer
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily(
-            "dra_driver_claim_device_info",
-            "A device prepared for a claim on this node: the GPU or MIG uuid behind it and whether it is "
-            "healthy (True, False or Unknown), as in the claim's status.devices.",
-            labels=["namespace", "claim", "claim_uid", "device", "uuid", "healthy"],
-        )
-        for row in self._writer.mapping():
-            labels = [row.claim.namespace, row.claim.name, row.claim.uid, row.device, row.uuid, row.health]
-            family.add_metric(labels, 1)
-        yield family
-
-    def describe(self) -> Iterator[GaugeMetricFamily]:
-        return iter(())  # no collect() at registration: the writer has nothing yet
-
-
-async def run_plugin(settings: Settings, stop: asyncio.Event | None = None) -> None:
-    """Run the daemon until SIGTERM/SIGINT (or ``stop``); leaves no socket of its own behind."""
-    started = time.monotonic()
-    stop = stop or _stop_on_signals()
-    check_before_starting(settings)  # what the user can get wrong, before anything is logged or opened
+    ``started`` is when the process began (for the log). Whatever fails here propagates; the
+    caller (:func:`dra_driver.launch.run_plugin`) answers held claim calls and removes the sockets.
+    """
     async with contextlib.AsyncExitStack() as held:
         api = await api_client(settings)
         held.push_async_callback(api.close)
-        metrics = Metrics()
+        metrics = None
         status = None
         if settings.http_address:
+            # aiohttp.web and prometheus_client: imported only by a daemon that serves probes.
+            from dra_driver.http import StatusServer
+            from dra_driver.metrics import Metrics
+
             # Bound first: a wrong address fails at once, and probes get answers while GPUs are read.
+            metrics = Metrics()
             status = StatusServer(settings.http_address, metrics, lambda: "starting")
             await start_status_server(status, settings.http_address)
             held.push_async_callback(status.stop)
@@ -390,7 +369,7 @@ async def run_plugin(settings: Settings, stop: asyncio.Event | None = None) -> N
             gpus=len(inventory.gpus),
             driver_version=inventory.driver_version,
         )
-        await _serve(settings, backend, inventory, api, metrics, status, stop, started)
+        await _serve(settings, kubelet, backend, inventory, api, metrics, status, stop, started)
 
 
 def mps_daemons(settings: Settings, api: ApiClient) -> MpsDaemons | None:
@@ -414,18 +393,42 @@ def mps_daemons(settings: Settings, api: ApiClient) -> MpsDaemons | None:
     )
 
 
+def compute_domain_plugin(
+    settings: Settings, api: ApiClient, inventory: Inventory, node_uid: str | None
+) -> ComputeDomainPlugin | None:
+    """The ComputeDomains plugin when their gate is on; its module is imported only then."""
+    if not settings.compute_domains:
+        return None
+    from dra_driver.computedomain.plugin import ComputeDomainPlugin
+
+    return ComputeDomainPlugin(
+        gpu_driver=settings.driver_name,
+        node_name=settings.node_name,
+        node_uid=node_uid,
+        api=api,
+        inventory=inventory,
+        state_dir=settings.state_dir / "compute-domains",
+        cdi_dir=settings.cdi_dir,
+        plugins_dir=settings.plugins_dir,
+        registry_dir=settings.registry_dir,
+        pod_uid=settings.pod_uid or None,
+        simulated=bool(settings.simulate),
+    )
+
+
 async def _serve(
     settings: Settings,
+    kubelet: KubeletFront,
     backend: Backend,
     inventory: Inventory,
     api: ApiClient,
-    metrics: Metrics,
+    metrics: Metrics | None,
     status: StatusServer | None,
     stop: asyncio.Event,
     started: float,
 ) -> None:
     state_dir = settings.state_dir
-    health = HealthBoard()
+    health = kubelet.health
     policy = taint_policy(settings)
     own_node_uid = await node_uid(api, settings.node_name)
     rules = await server_rules(api)
@@ -499,47 +502,30 @@ async def _serve(
     publish(inventory)
     for ref, devices in preparer.prepared():  # a restarted plugin refreshes what it holds
         claim_status.prepared(ref, devices)
-    metrics.registry.register(ClaimDevicesCollector(claim_status))
-    metrics.devices_published.set_function(lambda: publisher.published_devices)
-    metrics.prepared_claims.set_function(lambda: preparer.prepared_claims)
+    if metrics is not None:
+        metrics.follow(
+            claim_status,
+            published=lambda: publisher.published_devices,
+            prepared=lambda: preparer.prepared_claims,
+        )
+    plugin = kubelet.plugin
+    kubelet.claims.ready(preparer)  # the claim calls held since the sockets opened go on now
 
-    plugin = KubeletPlugin(
-        settings.driver_name,
-        preparer,
-        health_feed=health,
-        plugins_dir=settings.plugins_dir,
-        registry_dir=settings.registry_dir,
-        pod_uid=settings.pod_uid or None,
-    )
+    # The second driver, compute-domain.<domain>, on nodes of a multi-node NVLink clique.
+    compute_domains = compute_domain_plugin(settings, api, inventory, own_node_uid)
 
     def readiness() -> str | None:
         if not plugin.registration.registered.is_set():
             return plugin.registration.error or "not registered with the kubelet yet"
-        if not publisher.synced or not compute_domains.synced:
+        if not publisher.synced or (compute_domains is not None and not compute_domains.synced):
             return "ResourceSlices not published yet"
         return None
-
-    # The second driver, compute-domain.<domain>, on nodes of a multi-node NVLink clique.
-    compute_domains = ComputeDomainPlugin(
-        gpu_driver=settings.driver_name,
-        node_name=settings.node_name,
-        node_uid=own_node_uid,
-        api=api,
-        inventory=inventory,
-        state_dir=state_dir / "compute-domains",
-        cdi_dir=settings.cdi_dir,
-        plugins_dir=settings.plugins_dir,
-        registry_dir=settings.registry_dir,
-        pod_uid=settings.pod_uid or None,
-        simulated=bool(settings.simulate),
-    )
 
     if status is not None:
         status.readiness = readiness
     tasks: list[asyncio.Task[None]] = []
     try:
-        await plugin.start()
-        if settings.compute_domains:
+        if compute_domains is not None:
             await compute_domains.start()
         log.info(
             "serving the kubelet",
@@ -548,22 +534,32 @@ async def _serve(
             http_port=status.port if status else None,
             startup_seconds=round(time.monotonic() - started, 3),
         )
-        # Off the path of the kubelet's first calls (registration): the collection takes ~25 ms.
-        asyncio.get_running_loop().call_later(GC_SETTLE_DELAY_S, settle_collector)
+        # The collector was off while `dra-driver` imported (dra_driver.__main__): on again now. A
+        # moment later, off the path of the kubelet's first (held) calls, start-up's objects are
+        # frozen (the collection takes ~25 ms) and what start-up freed goes back to the kernel.
+        gc.enable()
+
+        def settle() -> None:
+            settle_collector()
+            trimmer.idle()
+
+        asyncio.get_running_loop().call_later(GC_SETTLE_DELAY_S, settle)
         tasks = [
             asyncio.create_task(publisher.run()),
             asyncio.create_task(watch.run()),
             asyncio.create_task(gpu_health.run()),
             asyncio.create_task(claim_status.run()),
             *([asyncio.create_task(labeller.run())] if labeller else []),
-            *(asyncio.create_task(task) for task in compute_domains.tasks()),
         ]
+        if compute_domains is not None:
+            tasks += [asyncio.create_task(task) for task in compute_domains.tasks()]
         await _until_stopped(stop, tasks)
     finally:
         log.info("shutting down")
-        await compute_domains.stop()
+        if compute_domains is not None:
+            await compute_domains.stop()
         await plugin.stop()
-        await preparer.drain(DRAIN_SECONDS)  # before run_plugin closes the backend and the API client
+        await preparer.drain(DRAIN_SECONDS)  # before serve_node closes the backend and the API client
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -571,7 +567,7 @@ async def _serve(
                 await task
 
 
-GC_SETTLE_DELAY_S = 1.0  # after the sockets serve: start-up's objects are frozen (dra_driver.memory)
+GC_SETTLE_DELAY_S = 1.0  # after the daemon is ready: start-up's objects are frozen (dra_driver.memory)
 
 
 async def _until_stopped(stop: asyncio.Event, tasks: list[asyncio.Task[None]]) -> None:
@@ -582,11 +578,3 @@ async def _until_stopped(stop: asyncio.Event, tasks: list[asyncio.Task[None]]) -
     for task in done:
         if task is not stopper:
             task.result()  # re-raise what killed it
-
-
-def _stop_on_signals() -> asyncio.Event:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    return stop

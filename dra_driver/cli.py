@@ -8,25 +8,28 @@
 Whatever the user got wrong (a flag, an env var, a kubeconfig, a directory, a GPU that is not
 there) ends the command in :func:`main` with one line on stderr and a non-zero exit; see
 :mod:`dra_driver.errors`.
+
+Each command imports what it needs when it runs: the daemon opens its kubelet sockets before it
+imports the API client, aiohttp or the GPU backends (:mod:`dra_driver.launch`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import signal
 import sys
 import tempfile
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import structlog
 import yaml
 
 from dra_driver import __version__
-from dra_driver.app import desired_slices, run_plugin
 from dra_driver.cli_settings import (
     add_settings_flags,
     requested_log_format,
@@ -35,18 +38,17 @@ from dra_driver.cli_settings import (
 )
 from dra_driver.computedomain.cli import add_commands as add_compute_domain_commands
 from dra_driver.devices.backend import DeviceError
-from dra_driver.devices.backends import open_backend
 from dra_driver.devices.sim_nodes import NODE_PROFILES
-from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import Gpu
 from dra_driver.errors import EXIT_FAILURE, EXIT_USAGE, StartupError
 from dra_driver.kubelet.sockets import KubeletSocketError
 from dra_driver.log import configure, crash_line, error_line, wants_json
 from dra_driver.node.checkpoint import BootIdUnavailable, CheckpointFromNewerDriver
-from dra_driver.resources.pool import PoolOwner, plan_pool
 from dra_driver.settings import xid_numbers
 from dra_driver.startup import check_mig_partitions
-from dra_driver.webhook import serve_webhook
+
+if TYPE_CHECKING:
+    from dra_driver.devices.simulated import SimulatedBackend
 
 log = structlog.get_logger("dra_driver.cli")
 _SETTINGS_DOC = "dra-driver kubelet-plugin --help, or docs/configuration.md"
@@ -96,6 +98,8 @@ def _exit(message: str, code: int, argv: list[str]) -> int:
 def _run(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command != "kubelet-plugin":
+        gc.enable()  # off for the imports (dra_driver.__main__); the daemon turns it on once it serves
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
@@ -182,6 +186,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _kubelet_plugin(args: argparse.Namespace) -> int:
+    from dra_driver.launch import run_plugin
+
     settings = settings_from(args)
     configure(settings.log_format, settings.log_level)
     if not settings.node_name:
@@ -196,6 +202,8 @@ def _kubelet_plugin(args: argparse.Namespace) -> int:
 
 
 def _webhook(args: argparse.Namespace) -> int:
+    from dra_driver.webhook import serve_webhook
+
     settings = settings_from(args)
     configure(settings.log_format, settings.log_level)
 
@@ -217,6 +225,10 @@ def _webhook(args: argparse.Namespace) -> int:
 
 
 def _inventory(args: argparse.Namespace) -> int:
+    from dra_driver.app import desired_slices
+    from dra_driver.devices.backends import open_backend
+    from dra_driver.resources.pool import PoolOwner, plan_pool
+
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `dra-driver inventory | head` ends quietly
     if args.list_profiles:
         for name, profile in sorted(NODE_PROFILES.items()):
@@ -278,6 +290,8 @@ def _gpu_line(gpu: Gpu) -> str:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    from dra_driver.devices.simulated import SimulatedBackend
+
     settings = settings_from(args)
     if not settings.simulate:
         raise StartupError(

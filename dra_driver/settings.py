@@ -16,7 +16,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from dra_driver.devices.driver_root import parse_capabilities
-from dra_driver.devices.health import APPLICATION_XIDS, GPU_LOST_XIDS
+from dra_driver.devices.faults import APPLICATION_XIDS, GPU_LOST_XIDS
 from dra_driver.devices.sim_nodes import NODE_PROFILES
 from dra_driver.resources.taints import TaintEffect
 

@@ -14,11 +14,10 @@ import dataclasses
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from dra_driver import kube
 from dra_driver.devices.types import Inventory
 from dra_driver.errors import StartupError
-from dra_driver.http import StatusServer
 from dra_driver.kubelet.sockets import (
     DIRECTORY_MODE,
     KubeletSocketError,
@@ -28,6 +27,10 @@ from dra_driver.kubelet.sockets import (
 )
 from dra_driver.node.checkpoint import read_boot_id
 from dra_driver.settings import Settings, partition_gpus
+
+if TYPE_CHECKING:  # check_before_starting runs before the kubelet sockets open: it imports neither
+    from dra_driver import kube
+    from dra_driver.http import StatusServer
 
 
 def check_before_starting(settings: Settings) -> None:
@@ -73,6 +76,8 @@ def check_writable_dir(directory: Path, setting: str, *, mode: int = 0o777) -> N
 
 async def load_kube_configuration(kubeconfig: Path | None, configuration: kube.Configuration) -> None:
     """Fill ``configuration`` from ``kubeconfig``, or from the pod's service account when it is None."""
+    from dra_driver import kube
+
     if kubeconfig is not None:
         await _load_kubeconfig(kubeconfig, configuration)
         return
@@ -90,6 +95,8 @@ async def load_kube_configuration(kubeconfig: Path | None, configuration: kube.C
 
 
 async def _load_kubeconfig(path: Path, configuration: kube.Configuration) -> None:
+    from dra_driver import kube
+
     where = f"kubeconfig {path} (--kubeconfig / DRA_KUBECONFIG)"
     try:
         with path.open("rb"):  # the client reports a missing file as "Expected key current-context"

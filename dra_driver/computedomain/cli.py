@@ -14,15 +14,15 @@ import signal
 import socket
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dra_driver import kube
-from dra_driver.computedomain.api import Names
-from dra_driver.computedomain.leader import LostLease
 from dra_driver.errors import EXIT_USAGE, StartupError
 from dra_driver.log import configure
 from dra_driver.settings import DEFAULT_DRIVER_NAME, ENV_PREFIX, LogFormat
 from dra_driver.startup import load_kube_configuration
+
+if TYPE_CHECKING:  # `dra-driver` builds this parser for every command, the node daemon's too
+    from dra_driver import kube
 
 _COMMON: list[tuple[str, Any, str]] = [
     ("driver_name", DEFAULT_DRIVER_NAME, "the GPU driver's name; every ComputeDomain name derives from it"),
@@ -70,6 +70,8 @@ def _add_flags(parser: argparse.ArgumentParser, flags: list[tuple[str, Any, str]
 
 async def _api(kubeconfig: str) -> kube.ApiClient:
     """The API client, as the node daemon makes it: the kubeconfig given, else the pod's account."""
+    from dra_driver import kube
+
     configuration = kube.Configuration()
     await load_kube_configuration(Path(kubeconfig) if kubeconfig else None, configuration)
     return kube.ApiClient(configuration)
@@ -137,6 +139,7 @@ def _controller(args: argparse.Namespace) -> int:
 
 
 def _daemon(args: argparse.Namespace) -> int:
+    from dra_driver.computedomain.api import Names
     from dra_driver.computedomain.daemon import DaemonIdentity, run_daemon
 
     _setup(args)
@@ -158,6 +161,8 @@ def _daemon(args: argparse.Namespace) -> int:
 
 
 def _run(main: Any) -> int:
+    from dra_driver.computedomain.leader import LostLease
+
     try:
         asyncio.run(main)
     except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C, or SIGTERM's orderly stop

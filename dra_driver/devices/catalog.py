@@ -63,7 +63,9 @@ class GpuModel:
 
 
 class _Doc(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, extra="forbid", frozen=True)
+    # Built when the catalog is first read (the GPUs' inventory), not when the settings import
+    # the node profiles: the daemon's start to its kubelet sockets does not wait for them.
+    model_config = ConfigDict(alias_generator=to_camel, extra="forbid", frozen=True, defer_build=True)
 
 
 class _PlacementsDoc(_Doc):

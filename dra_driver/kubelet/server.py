@@ -147,8 +147,8 @@ class KubeletPlugin:
         except BaseException:
             await self.stop(grace=None)
             raise
-        log.info(
-            "serving the kubelet",
+        log.debug(  # the daemon says it serves once it is ready; a failed start says only why
+            "kubelet sockets open",
             dra_socket=str(self.dra_socket),
             registration_socket=str(self.registration_socket),
             services=self._supported_versions,

@@ -57,8 +57,15 @@ records the claim in full again."""
 
 
 class _Record(BaseModel):
+    # defer_build: the schemas are built when the first checkpoint is read, after the kubelet
+    # sockets opened, not when the CLI imports this module for its errors.
     model_config = ConfigDict(
-        extra="forbid", strict=True, frozen=True, alias_generator=to_camel, validate_by_name=True
+        extra="forbid",
+        strict=True,
+        frozen=True,
+        alias_generator=to_camel,
+        validate_by_name=True,
+        defer_build=True,
     )
 
 

@@ -54,7 +54,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from dra_driver.devices.health import FaultKind, NodeFaults
+from dra_driver.devices.faults import FaultKind, NodeFaults
 from dra_driver.devices.types import Gpu, HealthState, Inventory, MigDevice
 from dra_driver.node.types import ClaimRef, PreparedDevice
 from dra_driver.resources.naming import gpu_device_name, mig_device_name

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
+from dra_driver.__main__ import main as dra_driver_main
 from dra_driver.devices.sim_nodes import NODE_PROFILES
 
 
@@ -96,3 +99,35 @@ def test_plugin_without_node_name_says_what_to_set() -> None:
     result = dra_driver("kubelet-plugin", "--simulate", "dgx-h100")
     assert result.returncode == 2
     assert "DRA_NODE_NAME" in result.stderr
+
+
+# Imported by the daemon only after its kubelet sockets are open (dra_driver.launch).
+AFTER_THE_SOCKETS = [
+    "kubernetes",
+    "aiohttp",
+    "prometheus_client",
+    "pynvml",
+    "dra_driver.app",
+    "dra_driver.kube",
+]
+
+
+def test_the_daemon_reaches_its_sockets_without_the_api_client() -> None:
+    """What runs before the kubelet sockets open (the CLI, the launcher, the settings checks)
+    imports neither the API client nor aiohttp nor the GPU backends: their import time would
+    be start-up time the kubelet waits for (docs/performance.md)."""
+    code = "import sys, dra_driver.cli, dra_driver.launch; print(*sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    imported = set(result.stdout.split())  # a package's submodule brings the package in too
+    assert [name for name in AFTER_THE_SOCKETS if name in imported] == []
+
+
+def test_commands_other_than_the_daemon_run_with_the_collector_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dra-driver` turns the cyclic garbage collector off for its imports; a long-running command
+    (the webhook, the ComputeDomain controller) must not keep it off."""
+    monkeypatch.setattr(sys, "argv", ["dra-driver", "inventory", "--list-profiles"])
+    try:
+        assert dra_driver_main() == 0
+        assert gc.isenabled()
+    finally:
+        gc.enable()

@@ -14,6 +14,7 @@ import structlog
 from dra_driver import cli
 from dra_driver.errors import StartupError
 from dra_driver.log import configure, crash_line, error_line
+from dra_driver.resources import pool  # the inventory command imports plan_pool from it when it runs
 from dra_driver.settings import LogFormat
 
 
@@ -58,7 +59,7 @@ def test_main_reports_a_startup_error_once(
     def refuse(*_: Any, **__: Any) -> Any:
         raise StartupError("--thing / DRA_THING is wrong; set it right", exit_code=2)
 
-    monkeypatch.setattr(cli, "plan_pool", refuse)
+    monkeypatch.setattr(pool, "plan_pool", refuse)
     monkeypatch.setenv("DRA_LOG_FORMAT", "console")
     assert cli.main(["inventory", "--simulate", "l4x4"]) == 2
     assert capsys.readouterr().err == "error: --thing / DRA_THING is wrong; set it right\n"
@@ -67,7 +68,7 @@ def test_main_reports_a_startup_error_once(
 def test_in_json_mode_a_bug_still_leaves_one_event_a_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(cli, "plan_pool", _boom)
+    monkeypatch.setattr(pool, "plan_pool", _boom)
     monkeypatch.setenv("DRA_LOG_FORMAT", "json")
     assert cli.main(["inventory", "--simulate", "l4x4"]) == 1
     lines = capsys.readouterr().err.splitlines()
@@ -78,7 +79,7 @@ def test_in_json_mode_a_bug_still_leaves_one_event_a_line(
 
 
 def test_on_a_terminal_a_bug_shows_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "plan_pool", _boom)
+    monkeypatch.setattr(pool, "plan_pool", _boom)
     monkeypatch.setenv("DRA_LOG_FORMAT", "console")
     with pytest.raises(RuntimeError, match="boom"):
         cli.main(["inventory", "--simulate", "l4x4"])

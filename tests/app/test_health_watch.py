@@ -9,7 +9,7 @@ from pathlib import Path
 from structlog.testing import capture_logs
 
 from dra_driver.app import HealthWatch
-from dra_driver.devices.health import Fault, FaultKind, NodeFaults
+from dra_driver.devices.faults import Fault, FaultKind, NodeFaults
 from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import Inventory
 from dra_driver.resources.taints import TaintPolicy

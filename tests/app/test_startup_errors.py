@@ -92,6 +92,11 @@ class Node:
             *extra,
         ]
 
+    def sockets(self) -> list[Path]:
+        """The unix sockets under the node's directories (the daemon opens them before it reads the
+        kubeconfig or binds the HTTP address, and must remove them when that fails)."""
+        return [path for path in self.base.rglob("*") if path.is_socket()]
+
     def plugin(
         self, *extra: str, env: dict[str, str] | None = None, log_format: str | None = "console"
     ) -> subprocess.CompletedProcess[str]:
@@ -116,6 +121,7 @@ def node() -> Iterator[Node]:
 def test_a_missing_kubeconfig_names_the_file_and_the_setting(node: Node) -> None:
     result = node.plugin("--kubeconfig=/nonexistent/kubeconfig")
     one_line_error(result, 1, "/nonexistent/kubeconfig", "--kubeconfig / DRA_KUBECONFIG", "No such file")
+    assert node.sockets() == []
 
 
 @pytest.mark.parametrize(
@@ -168,6 +174,7 @@ def test_a_port_in_use_is_one_line(node: Node) -> None:
         address = f"127.0.0.1:{taken.getsockname()[1]}"
         result = node.plugin(f"--http-address={address}")
     one_line_error(result, 1, "DRA_HTTP_ADDRESS", address, "in use")
+    assert node.sockets() == []
 
 
 # --- sockets and directories ----------------------------------------------------------------------

@@ -10,7 +10,7 @@ import asyncio
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from dra_driver.devices.health import Fault, FaultKind, NodeFaults
+from dra_driver.devices.faults import Fault, FaultKind, NodeFaults
 from dra_driver.devices.types import Inventory
 from dra_driver.node.claim_status import (
     ClaimStatusWriter,

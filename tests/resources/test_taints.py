@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dra_driver.devices.health import Fault, FaultKind
+from dra_driver.devices.faults import Fault, FaultKind
 from dra_driver.devices.types import HealthState
 from dra_driver.resources.devices import build_devices, partition_all
 from dra_driver.resources.slices import split_pool
