@@ -42,17 +42,19 @@ _CONTROLLERS = (
     "garbage-collector-controller",
     "namespace-controller",
 )
+# Deployments get ReplicaSets and pods: without kubelets a test plays the kubelet of the MPS control
+# daemon's pod (e2e/test_mps_deployment.py); with real kubelets the chart's Deployments (the
+# compute-domain controller, the webhook) and the plugin's MPS daemons run on the node.
+_DEPLOYMENT_CONTROLLERS = ("deployment-controller", "replicaset-controller")
 # With real kubelets (ControlPlane(real_nodes=True)): DaemonSets get pods, every namespace its
-# `default` ServiceAccount, and every pod the kube-root-ca.crt ConfigMap its token volume projects.
+# `default` ServiceAccount, every pod the kube-root-ca.crt ConfigMap its token volume projects.
 _REAL_NODE_CONTROLLERS = (
+    *_DEPLOYMENT_CONTROLLERS,
     "daemonset-controller",
     "serviceaccount-controller",
     "root-ca-certificate-publisher-controller",
 )
-# Without kubelets: Deployments get ReplicaSets and pods, so that a test can play the kubelet of the
-# MPS control daemon's pod (e2e/test_mps_deployment.py). With real kubelets the chart's own
-# Deployments keep running without pods, as before.
-_KUBELETLESS_CONTROLLERS = ("deployment-controller", "replicaset-controller")
+_KUBELETLESS_CONTROLLERS = _DEPLOYMENT_CONTROLLERS
 _POLL_SECONDS = 0.1
 _STOP_GRACE_SECONDS = 10.0
 
