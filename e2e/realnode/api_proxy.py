@@ -9,8 +9,9 @@ here:
   pod's namespace -- in-cluster clients such as the driver reach the API server unchanged;
 - `node` (holder.py): a socket on 127.0.0.1:TARGET_PORT inside the node's namespace, for the
   kubelet, and that namespace itself: the proxy then also listens on the host's
-  127.0.0.1:kubeletPort and connects each caller (the API server: logs, exec) to the kubelet's
-  port inside the node's namespace, with sockets made there by a thread that entered it.
+  127.0.0.1:kubeletPort and connects each caller to the kubelet's port inside the node's
+  namespace, with sockets made there by a thread that entered it (the node's address as the host
+  sees it; the API server itself goes through EGRESS_SOCKET when it has one).
 
 With EGRESS_SOCKET (`... CONTROL_SOCKET TARGET_PORT EGRESS_SOCKET`) it is also the API server's
 way into the cluster, as Konnectivity is on a managed control plane: the API server's egress
