@@ -158,3 +158,19 @@ def test_api_proxy_tunnels_the_api_servers_egress_into_the_node(tmp_path: Path) 
     assert no_node.startswith(b"HTTP/1.1 503 ")
     assert not_connect.startswith(b"HTTP/1.1 405 ")
     assert tunnelled == b"HTTP/1.1 200 Connection established\r\n\r\necho:hello"
+
+
+def test_api_proxy_leaves_an_egress_socket_another_proxy_serves(tmp_path: Path) -> None:
+    """A second node on one control plane (one refused at start) must not take over, nor remove,
+    the running node's egress socket: the API server would lose its way to the pods."""
+    import socket
+
+    from e2e.realnode import api_proxy
+
+    path = tmp_path / "egress.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as served:
+        served.bind(str(path))
+        served.listen()
+        assert api_proxy._serving(path)
+    assert path.exists()  # what a proxy killed outright leaves: a file nobody serves
+    assert not api_proxy._serving(path)

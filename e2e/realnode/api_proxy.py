@@ -184,10 +184,14 @@ class ApiProxy:
 
 async def serve(control_path: Path, target_port: int, egress_path: Path | None = None) -> None:
     proxy = ApiProxy(target_port)
-    if egress_path is not None:
+    # One egress socket per control plane: a second node started on it (one refused at start, in
+    # the tests) leaves the running node's proxy serving it, and removes only a socket of its own.
+    egress_inode = None
+    if egress_path is not None and not _serving(egress_path):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(egress_path)
         proxy.servers["egress"] = await asyncio.start_unix_server(proxy.egress, str(egress_path))
+        egress_inode = os.stat(egress_path).st_ino
     with contextlib.suppress(FileNotFoundError):
         os.unlink(control_path)
     control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -212,9 +216,20 @@ async def serve(control_path: Path, target_port: int, egress_path: Path | None =
         await proxy.remove(pod)
     control.close()
     os.unlink(control_path)
-    if egress_path is not None:
+    if egress_path is not None and egress_inode is not None:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(egress_path)
+            if os.stat(egress_path).st_ino == egress_inode:
+                os.unlink(egress_path)
+
+
+def _serving(path: Path) -> bool:
+    """Whether another process accepts connections on the Unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 def main(argv: list[str]) -> int:
