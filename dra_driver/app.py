@@ -517,7 +517,8 @@ async def _serve(
     def readiness() -> str | None:
         if not plugin.registration.registered.is_set():
             return plugin.registration.error or "not registered with the kubelet yet"
-        if not publisher.synced or (compute_domains is not None and not compute_domains.synced):
+        # Published once, not in sync now: slices change at every MIG prepare (publisher.published).
+        if not publisher.published or (compute_domains is not None and not compute_domains.synced):
             return "ResourceSlices not published yet"
         return None
 

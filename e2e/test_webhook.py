@@ -152,7 +152,7 @@ def test_a_misspelt_config_is_refused_at_creation_with_prepares_message(
     error = wait_until(refused, timeout_seconds=30, waiting_for="the webhook to refuse the claim")
     assert error.status == 422
     assert (
-        f"opaque config for {DRIVER}: config[0] (FromClaim, requests [gpu]): sharing.timeslicing: "
+        f"opaque config for {DRIVER}: config[0] (FromClaim, all requests): sharing.timeslicing: "
         "Extra inputs are not permitted" in error.message
     )
 

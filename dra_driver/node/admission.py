@@ -6,6 +6,11 @@ refuses it when it is created instead, with the decoder prepare uses
 (:func:`dra_driver.node.config.decode_entry`), so the message is the same. Only the index can
 differ: here it counts the entries of the object written (a claim's, a template's, a class's),
 at prepare the entries of the allocation, where the class's configs come first.
+
+A config whose requests name every request of the claim is described as applying to "all
+requests": the 1.37 scheduler's allocator clears such a list in the allocation ("empty means
+all"), so that is what prepare says of it (seen on the real node, e2e/real_node/test_webhook.py).
+Before 1.37 the allocation keeps the names, and prepare lists them.
 """
 
 from __future__ import annotations
@@ -27,20 +32,29 @@ _CONFIGS: dict[str, tuple[tuple[str, ...], ConfigSource]] = {
 def config_problems(obj: Mapping[str, Any], driver_name: str) -> list[str]:
     """What is wrong with ``obj``'s opaque configs for ``driver_name``, one message per entry."""
     path, source = _CONFIGS.get(str(obj.get("kind")), ((), ConfigSource.FROM_CLAIM))
-    entries: Any = obj
-    for key in path:
-        entries = entries.get(key) if isinstance(entries, Mapping) else None
+    entries = _walk(obj, path)
+    # A claim's (or template's) requests sit beside its configs; a DeviceClass has none.
+    beside = _walk(obj, (*path[:-1], "requests")) if path[-2:-1] == ("devices",) else None
+    claim_requests = {str(r.get("name")) for r in beside or () if isinstance(r, Mapping)}
     problems = []
     for index, entry in enumerate(entries if isinstance(entries, list) else []):
         opaque = entry.get("opaque") if isinstance(entry, Mapping) else None
         if not isinstance(opaque, Mapping) or opaque.get("driver") != driver_name:
             continue
         requests = tuple(str(r) for r in entry.get("requests") or ())
+        if claim_requests and claim_requests <= set(requests):
+            requests = ()  # as the allocator writes it (see the module doc)
         try:
             decode_entry(OpaqueConfig(index, source, requests, opaque.get("parameters")))
         except ConfigError as error:
             problems.append(str(error))
     return problems
+
+
+def _walk(obj: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        obj = obj.get(key) if isinstance(obj, Mapping) else None
+    return obj
 
 
 def review(admission_review: Mapping[str, Any], driver_name: str) -> dict[str, Any]:

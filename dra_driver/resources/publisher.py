@@ -90,6 +90,7 @@ class SlicePublisher:
         self._published_devices = 0
         self._wakeup = asyncio.Event()
         self._synced = asyncio.Event()
+        self._published = False
         # Whether the watch follows the pool now: set once a list gave it a resourceVersion to
         # start from, cleared by every failed watch call until one succeeds again. While it is
         # set the periodic resync has nothing to learn and is skipped.
@@ -104,6 +105,15 @@ class SlicePublisher:
     def synced(self) -> bool:
         """Whether the latest desired slices are on the API server, as far as the last sync saw."""
         return self._synced.is_set()
+
+    @property
+    def published(self) -> bool:
+        """Whether desired slices have been on the API server at least once (never false again).
+
+        What readiness rests on: ``synced`` is false from each new desired state (a MIG device made
+        at prepare) until it is written, which under a burst of prepares is most of the time.
+        """
+        return self._published
 
     def set_desired(self, slices: Sequence[SliceContent]) -> None:
         """Publish ``slices`` (from :func:`~dra_driver.resources.slices.split_pool`) from now on."""
@@ -186,6 +196,7 @@ class SlicePublisher:
             )
         self._generation = plan.generation
         self._published_devices = sum(len(content.devices) for content in desired)
+        self._published = True
         if version == self._desired_version:
             self._synced.set()
 

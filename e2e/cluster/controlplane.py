@@ -42,17 +42,21 @@ _CONTROLLERS = (
     "garbage-collector-controller",
     "namespace-controller",
 )
+# Deployments get ReplicaSets and pods: without kubelets a test plays the kubelet of the MPS control
+# daemon's pod (e2e/test_mps_deployment.py); with real kubelets the chart's Deployments (the
+# compute-domain controller, the webhook) and the plugin's MPS daemons run on the node.
+_DEPLOYMENT_CONTROLLERS = ("deployment-controller", "replicaset-controller")
 # With real kubelets (ControlPlane(real_nodes=True)): DaemonSets get pods, every namespace its
-# `default` ServiceAccount, and every pod the kube-root-ca.crt ConfigMap its token volume projects.
+# `default` ServiceAccount, every pod the kube-root-ca.crt ConfigMap its token volume projects.
+# EndpointSlices: the API server reaches a webhook's Service at its pods (--enable-aggregator-routing).
 _REAL_NODE_CONTROLLERS = (
+    *_DEPLOYMENT_CONTROLLERS,
+    "endpointslice-controller",
     "daemonset-controller",
     "serviceaccount-controller",
     "root-ca-certificate-publisher-controller",
 )
-# Without kubelets: Deployments get ReplicaSets and pods, so that a test can play the kubelet of the
-# MPS control daemon's pod (e2e/test_mps_deployment.py). With real kubelets the chart's own
-# Deployments keep running without pods, as before.
-_KUBELETLESS_CONTROLLERS = ("deployment-controller", "replicaset-controller")
+_KUBELETLESS_CONTROLLERS = _DEPLOYMENT_CONTROLLERS
 _POLL_SECONDS = 0.1
 _STOP_GRACE_SECONDS = 10.0
 
@@ -89,6 +93,9 @@ class ClusterInfo:
     # certificate for kubelets (a kubelet's authentication.x509.clientCAFile).
     node_token: str | None = None
     kubelet_client_ca_file: Path | None = None
+    # With real_nodes: the Unix socket the API server sends its `cluster` egress to (HTTP CONNECT:
+    # webhooks behind Services, logs, exec); the real node's API proxy serves it (e2e/realnode).
+    cluster_egress_socket: Path | None = None
 
     def api_client(self, token: str | None = None) -> client.ApiClient:
         """A client of the API server that authenticates with `token` (default: the admin's)."""
@@ -125,6 +132,9 @@ class ClusterInfo:
             node_token=data.get("node_token"),
             kubelet_client_ca_file=Path(data["kubelet_client_ca_file"])
             if data.get("kubelet_client_ca_file")
+            else None,
+            cluster_egress_socket=Path(data["cluster_egress_socket"])
+            if data.get("cluster_egress_socket")
             else None,
         )
 
@@ -185,6 +195,10 @@ class ControlPlane:
         self._info: ClusterInfo | None = None
 
     @property
+    def _egress_socket(self) -> Path:
+        return self._base_dir / "cluster-egress.sock"
+
+    @property
     def info(self) -> ClusterInfo:
         if self._info is None:
             raise RuntimeError("the control plane is not running; call start() first")
@@ -232,6 +246,7 @@ class ControlPlane:
         credentials.write_token_file(base / "tokens.csv", tokens)
         if self._real_nodes:
             credentials.write_kubelet_client_certificate(base / "kubelet-client")
+            (base / "egress-selector.yaml").write_text(yaml.safe_dump(_egress_selector(self._egress_socket)))
         credentials.write_service_account_key(base / "service-account.key")
         # The three binaries of a release share one feature-gate registry; asking one of them suffices.
         gates = features.feature_gates_flag(features.settable_gates(self._binaries.kube_apiserver))
@@ -273,6 +288,7 @@ class ControlPlane:
             processes=tuple(running.record for running in self._children),
             node_token=node.token if self._real_nodes else None,
             kubelet_client_ca_file=base / "kubelet-client" / "ca.crt" if self._real_nodes else None,
+            cluster_egress_socket=self._egress_socket if self._real_nodes else None,
         )
 
     def _launch(self, name: str, argv: list[str], logs: Path) -> _Running:
@@ -309,6 +325,10 @@ class ControlPlane:
         real_node_args = [
             f"--kubelet-client-certificate={kubelet_client / 'client.crt'}",
             f"--kubelet-client-key={kubelet_client / 'client.key'}",
+            # The pods are in the node's network namespace: webhooks behind a Service are called at
+            # their pods' addresses, through the node's proxy, as through Konnectivity.
+            f"--egress-selector-config-file={base / 'egress-selector.yaml'}",
+            "--enable-aggregator-routing=true",
         ]
         return [
             str(self._binaries.kube_apiserver),
@@ -359,6 +379,23 @@ class ControlPlane:
 
 def _identity(token: credentials.StaticToken) -> dict[str, str]:
     return {"user": token.user, "token": token.token}
+
+
+def _egress_selector(socket_path: Path) -> dict[str, Any]:
+    """The API server's traffic to the cluster goes as HTTP CONNECT over `socket_path`."""
+    return {
+        "apiVersion": "apiserver.k8s.io/v1beta1",
+        "kind": "EgressSelectorConfiguration",
+        "egressSelections": [
+            {
+                "name": "cluster",
+                "connection": {
+                    "proxyProtocol": "HTTPConnect",
+                    "transport": {"uds": {"udsName": str(socket_path)}},
+                },
+            }
+        ],
+    }
 
 
 def _scheduler_configuration(kubeconfig: Path) -> dict[str, Any]:

@@ -107,3 +107,70 @@ def test_cni_plugin_answers_version_and_deletes_idempotently() -> None:
     unknown = _plugin("FROB", conf)
     assert unknown.returncode == 1
     assert json.loads(unknown.stdout)["msg"] == "unknown CNI_COMMAND 'FROB'"
+
+
+def test_api_proxy_tunnels_the_api_servers_egress_into_the_node(tmp_path: Path) -> None:
+    """HTTP CONNECT over the egress socket reaches host:port inside the node's network namespace (here
+    this process's own, standing in for the node's); before a node joined, and for anything but
+    CONNECT, the proxy answers with an HTTP error the API server reports."""
+    import asyncio
+    import concurrent.futures
+
+    from e2e.realnode import api_proxy
+
+    async def exchange(path: Path, request: bytes, payload: bytes = b"") -> bytes:
+        reader, writer = await asyncio.open_unix_connection(str(path))
+        writer.write(request + payload)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(4096), 10)
+        if payload and answer.endswith(b"\r\n\r\n"):
+            answer += await asyncio.wait_for(reader.read(4096), 10)
+        writer.close()
+        return answer
+
+    async def scenario() -> list[bytes]:
+        async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(b"echo:" + await reader.read(100))
+            await writer.drain()
+            writer.close()
+
+        target = await asyncio.start_server(echo, "127.0.0.1", 0)
+        port = target.sockets[0].getsockname()[1]
+        proxy = api_proxy.ApiProxy(target_port=1)
+        egress = tmp_path / "egress.sock"
+        server = await asyncio.start_unix_server(proxy.egress, str(egress))
+        connect = f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()
+        answers = [await exchange(egress, connect)]  # no node yet
+        answers.append(await exchange(egress, b"GET / HTTP/1.1\r\n\r\n"))
+        netns = os.open("/proc/self/ns/net", os.O_RDONLY)
+        node = concurrent.futures.ThreadPoolExecutor(1, initializer=api_proxy._enter, initargs=(netns,))
+        proxy.node_sockets = node
+        try:
+            answers.append(await exchange(egress, connect, b"hello"))
+        finally:
+            node.shutdown()
+            os.close(netns)
+            server.close()
+            target.close()
+        return answers
+
+    no_node, not_connect, tunnelled = asyncio.run(scenario())
+    assert no_node.startswith(b"HTTP/1.1 503 ")
+    assert not_connect.startswith(b"HTTP/1.1 405 ")
+    assert tunnelled == b"HTTP/1.1 200 Connection established\r\n\r\necho:hello"
+
+
+def test_api_proxy_leaves_an_egress_socket_another_proxy_serves(tmp_path: Path) -> None:
+    """A second node on one control plane (one refused at start) must not take over, nor remove,
+    the running node's egress socket: the API server would lose its way to the pods."""
+    import socket
+
+    from e2e.realnode import api_proxy
+
+    path = tmp_path / "egress.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as served:
+        served.bind(str(path))
+        served.listen()
+        assert api_proxy._serving(path)
+    assert path.exists()  # what a proxy killed outright leaves: a file nobody serves
+    assert not api_proxy._serving(path)

@@ -9,12 +9,14 @@ through NVML's C interface. A workload pod then gets a GPU the NVML backend prep
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from kubernetes import client
 
+from e2e import manifests
 from e2e.cluster import ClusterInfo
 from e2e.driver import MOCK_NVML_DRIVER_VERSION
 from e2e.real_node.driver import NAMESPACE, PROFILE, DriverRelease, install_driver
@@ -26,11 +28,16 @@ from e2e.real_node.gpu_view import (
     pod_manifest,
     view_of,
 )
+from e2e.realnode import config
 from e2e.realnode.driver_root import make_nvml_driver_root
+from e2e.realnode.images import IMAGES
 from e2e.realnode.node import RealNode
 from tests.mock_nvml import mock_nvml_library
 
 pytestmark = pytest.mark.real_node
+
+MPS_NODE = f"resource.dra-driver.dev/mps-node={config.NODE_NAME}"  # the plugin's MPS daemons' label
+_T = TypeVar("_T")
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +105,62 @@ def test_a_pod_gets_a_gpu_the_nvml_backend_prepared(
         f"libnvidia-ml.so.{MOCK_NVML_DRIVER_VERSION}",
         f"libcuda.so.{MOCK_NVML_DRIVER_VERSION}",
     } <= view.libraries
+
+
+def test_an_mps_claim_runs_its_control_daemon_as_a_deployment_on_the_kubelet(
+    nvml_driver: DriverRelease, real_api: client.ApiClient, namespace: str
+) -> None:
+    """docs/examples/mps-gpu.yaml: the plugin's Deployment runs the claim's MPS control daemon (the
+    driver root's stand-in) in a pod on the kubelet, its startup probe passes once the daemon has
+    its limits, both containers get its pipe directory, and the daemon goes with the claim."""
+    template, pod = manifests.load(manifests.EXAMPLES / "mps-gpu.yaml")
+    for entry in pod["spec"]["containers"]:
+        entry["image"] = f"{IMAGES['workload']}:{nvml_driver.tag}"
+    create(real_api, namespace, template)
+    create(real_api, namespace, pod)
+    core, apps = client.CoreV1Api(real_api), client.AppsV1Api(real_api)
+
+    def running() -> bool:
+        return bool(core.read_namespaced_pod("mps", namespace).status.phase == "Running")
+
+    _wait(running, "the MPS pod to run (after its control daemon's pod became ready)")
+    (deployment,) = apps.list_namespaced_deployment(NAMESPACE, label_selector=MPS_NODE).items
+    assert deployment.metadata.name.startswith("mps-control-daemon-")
+    assert deployment.status.ready_replicas == 1
+    (daemon,) = core.list_namespaced_pod(NAMESPACE, label_selector=MPS_NODE).items
+    (status,) = daemon.status.container_statuses
+    assert (daemon.spec.node_name, daemon.status.phase, status.started, status.ready) == (
+        config.NODE_NAME,
+        "Running",
+        True,
+        True,
+    )
+    # The daemon's log (kubectl logs): started for the claim's GPU, with the claim's limits.
+    daemon_log = core.read_namespaced_pod_log(daemon.metadata.name, NAMESPACE)
+    assert "stand-in MPS control daemon started" in daemon_log
+    assert "applied: set_default_active_thread_percentage 50" in daemon_log
+    for name in ("server-a", "server-b"):
+        log = _wait(lambda c=name: core.read_namespaced_pod_log("mps", namespace, container=c) or None, name)
+        assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in log
+        assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50" in log
+        assert "control" in log.split()  # `ls /tmp/nvidia-mps`: the daemon's control pipe
+
+    core.delete_namespaced_pod("mps", namespace, grace_period_seconds=1)
+    _wait(
+        lambda: (
+            not apps.list_namespaced_deployment(NAMESPACE, label_selector=MPS_NODE).items
+            and not core.list_namespaced_pod(NAMESPACE, label_selector=MPS_NODE).items
+        ),
+        "the MPS control daemon's Deployment and pod to go with the claim",
+    )
+
+
+def _wait(probe: Callable[[], _T | None], what: str, timeout: float = 120) -> _T:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = probe()
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gave up waiting for {what}")
+        time.sleep(0.5)

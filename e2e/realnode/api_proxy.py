@@ -9,8 +9,17 @@ here:
   pod's namespace -- in-cluster clients such as the driver reach the API server unchanged;
 - `node` (holder.py): a socket on 127.0.0.1:TARGET_PORT inside the node's namespace, for the
   kubelet, and that namespace itself: the proxy then also listens on the host's
-  127.0.0.1:kubeletPort and connects each caller (the API server: logs, exec) to the kubelet's
-  port inside the node's namespace, with sockets made there by a thread that entered it.
+  127.0.0.1:kubeletPort and connects each caller to the kubelet's port inside the node's
+  namespace, with sockets made there by a thread that entered it (the node's address as the host
+  sees it; the API server itself goes through EGRESS_SOCKET when it has one).
+
+With EGRESS_SOCKET (`... CONTROL_SOCKET TARGET_PORT EGRESS_SOCKET`) it is also the API server's
+way into the cluster, as Konnectivity is on a managed control plane: the API server's egress
+selector sends its `cluster` traffic (admission webhooks behind a Service, resolved to the pod's
+address by --enable-aggregator-routing; logs and exec) as HTTP CONNECT over that Unix socket, and
+the proxy connects to the address asked for from inside the node's namespace, where the pods'
+bridge is. The chart's webhook then runs as the Deployment and Service it is, with no route from
+the host to the pod network.
 
 A socket keeps the namespace it was created in, which is what lets one process serve them all
 without any route, address or firewall rule between namespaces: nothing leaves a loopback
@@ -32,6 +41,7 @@ from pathlib import Path
 
 _MAX_FDS = 2
 _CLONE_NEWNET = 0x40000000
+_CONNECT_SECONDS = 10.0
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -44,6 +54,13 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
     finally:
         with contextlib.suppress(Exception):
             writer.close()
+
+
+async def _answer(writer: asyncio.StreamWriter, status: bytes) -> None:
+    with contextlib.suppress(ConnectionError, OSError):
+        writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+    writer.close()
 
 
 def _enter(netns_fd: int) -> None:
@@ -74,20 +91,52 @@ class ApiProxy:
         executor = self.node_sockets
 
         async def to_kubelet(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            loop = asyncio.get_running_loop()
-            inside = await loop.run_in_executor(executor, socket.socket, socket.AF_INET, socket.SOCK_STREAM)
-            inside.setblocking(False)
-            try:
-                await loop.sock_connect(inside, ("127.0.0.1", kubelet_port))
-                kubelet_reader, kubelet_writer = await asyncio.open_connection(sock=inside)
-            except OSError:
-                inside.close()
+            inside = await self._open_in_node(executor, "127.0.0.1", kubelet_port)
+            if inside is None:
                 writer.close()
                 return
-            await asyncio.gather(_pipe(reader, kubelet_writer), _pipe(kubelet_reader, writer))
+            await asyncio.gather(_pipe(reader, inside[1]), _pipe(inside[0], writer))
 
         await self.remove("kubelet")
         self.servers["kubelet"] = await asyncio.start_server(to_kubelet, "127.0.0.1", kubelet_port)
+
+    async def _open_in_node(
+        self, executor: concurrent.futures.ThreadPoolExecutor, host: str, port: int
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """A connection to host:port made inside the node's network namespace; None if refused."""
+        loop = asyncio.get_running_loop()
+        inside = await loop.run_in_executor(executor, socket.socket, socket.AF_INET, socket.SOCK_STREAM)
+        inside.setblocking(False)
+        try:
+            await asyncio.wait_for(loop.sock_connect(inside, (host, port)), _CONNECT_SECONDS)
+            return await asyncio.open_connection(sock=inside)
+        except (OSError, TimeoutError):
+            inside.close()
+            return None
+
+    async def egress(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One HTTP CONNECT of the API server's egress selector: joined to host:port in the node."""
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _CONNECT_SECONDS)
+            method, target, _ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ", 2)
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError):
+            writer.close()
+            return
+        host, _, port = target.rpartition(":")
+        executor = self.node_sockets
+        if method != "CONNECT" or not port.isdigit():
+            await _answer(writer, b"405 Method Not Allowed" if method != "CONNECT" else b"400 Bad Request")
+            return
+        if executor is None:
+            await _answer(writer, b"503 No Node Yet")
+            return
+        address = (host.strip("[]"), int(port))
+        inside = await self._open_in_node(executor, *address)
+        if inside is None:
+            await _answer(writer, b"502 Bad Gateway")
+            return
+        writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        await asyncio.gather(_pipe(reader, inside[1]), _pipe(inside[0], writer))
 
     async def add(self, pod: str, listener: socket.socket) -> None:
         await self.remove(pod)
@@ -133,8 +182,16 @@ class ApiProxy:
             connection.close()
 
 
-async def serve(control_path: Path, target_port: int) -> None:
+async def serve(control_path: Path, target_port: int, egress_path: Path | None = None) -> None:
     proxy = ApiProxy(target_port)
+    # One egress socket per control plane: a second node started on it (one refused at start, in
+    # the tests) leaves the running node's proxy serving it, and removes only a socket of its own.
+    egress_inode = None
+    if egress_path is not None and not _serving(egress_path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(egress_path)
+        proxy.servers["egress"] = await asyncio.start_unix_server(proxy.egress, str(egress_path))
+        egress_inode = os.stat(egress_path).st_ino
     with contextlib.suppress(FileNotFoundError):
         os.unlink(control_path)
     control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -159,11 +216,25 @@ async def serve(control_path: Path, target_port: int) -> None:
         await proxy.remove(pod)
     control.close()
     os.unlink(control_path)
+    if egress_path is not None and egress_inode is not None:
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(egress_path).st_ino == egress_inode:
+                os.unlink(egress_path)
+
+
+def _serving(path: Path) -> bool:
+    """Whether another process accepts connections on the Unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 def main(argv: list[str]) -> int:
     control_path, target_port = Path(argv[0]), int(argv[1])
-    asyncio.run(serve(control_path, target_port))
+    asyncio.run(serve(control_path, target_port, Path(argv[2]) if len(argv) > 2 else None))
     return 0
 
 

@@ -17,6 +17,7 @@ from dra_driver.devices.sim_nodes import NVIDIA_MAJOR, node_profile
 from dra_driver.devices.simulated import CONTROL_NODES, DRIVER_VERSION, NVIDIA_CAPS_MAJOR
 
 LIBRARY_DIR = "usr/lib/x86_64-linux-gnu"
+BUSYBOX = "/bin/busybox"  # Debian's busybox-static (hack/install-deps.sh), statically linked
 LIBRARIES = ("libcuda", "libnvidia-ml", "libnvidia-ptxjitcompiler")
 
 
@@ -73,3 +74,40 @@ def make_nvml_driver_root(
         link.unlink(missing_ok=True)
         link.symlink_to(versioned.name)
         (libraries / f"{name}.so.{DRIVER_VERSION}").unlink(missing_ok=True)
+    _mps_control_standin(root)
+
+
+# nvidia-cuda-mps-control as the plugin's MPS daemon pod runs it, `chroot <driver root> sh -c ...`
+# (dra_driver/node/sharing/mps_deployment.py): `-d` starts a daemon that keeps the control pipe
+# until it is stopped, and without it one command is read from stdin and logged, as the real
+# program applies it. It shares nothing (there is no GPU); what is real is the pod, its startup
+# probe, the directories the workload's containers get, and the daemon's going with the claim.
+_MPS_CONTROL = """#!/bin/sh
+pipe=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}
+log=${CUDA_MPS_LOG_DIRECTORY:-/var/log/nvidia-mps}/control.log
+if [ "$1" = "-d" ]; then
+    echo "stand-in MPS control daemon started (CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES)" >> "$log"
+    rm -f "$pipe/control" && /bin/busybox mkfifo "$pipe/control"
+    (trap 'rm -f "$pipe/control"; exit 0' TERM; while :; do /bin/busybox sleep 1; done) \
+        < /dev/null > /dev/null 2>&1 &
+    exit 0
+fi
+read -r command
+echo "applied: $command" >> "$log"
+"""
+
+
+def _mps_control_standin(root: Path) -> None:
+    """A static busybox as the driver root's sh, and the nvidia-cuda-mps-control stand-in above."""
+    bin_dir = root / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    busybox = bin_dir / "busybox"
+    if not busybox.exists():
+        busybox.write_bytes(Path(BUSYBOX).read_bytes())
+        busybox.chmod(0o755)
+    sh = bin_dir / "sh"
+    if not sh.is_symlink():
+        sh.symlink_to("busybox")
+    control = root / "usr" / "bin" / "nvidia-cuda-mps-control"
+    control.write_text(_MPS_CONTROL)
+    control.chmod(0o755)

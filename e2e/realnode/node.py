@@ -210,7 +210,8 @@ class RealNode:
         proxy_argv = [sys.executable, "-m", "e2e.realnode.api_proxy", str(layout.api_proxy_socket)]
         self._proxy, proxy_record = processes.spawn(
             "api-proxy",
-            [*proxy_argv, str(self.cluster.ports.apiserver)],
+            # With the control plane's egress socket: also the API server's way to the pods.
+            [*proxy_argv, str(self.cluster.ports.apiserver), *_egress_socket(self.cluster)],
             layout.logs / "api-proxy.log",
             die_with_parent=self._die_with_parent,
         )
@@ -417,6 +418,10 @@ def stop_node(state: RealNodeState) -> None:
 
 def _path() -> str:
     return f"{os.environ.get('PATH', '/usr/bin:/bin')}:/usr/sbin:/sbin"
+
+
+def _egress_socket(cluster: ClusterInfo) -> list[str]:
+    return [str(cluster.cluster_egress_socket)] if cluster.cluster_egress_socket else []
 
 
 def _kubernetes_service(cluster: ClusterInfo) -> tuple[str, int]:

@@ -36,14 +36,39 @@ def test_a_misspelt_config_is_refused_with_the_message_prepare_gives(node: Node)
 
     assert refused["allowed"] is False
     assert refused["status"]["code"] == 422
+    assert _at_prepare(node, [opaque(MISSPELT, requests=["gpu"])]) in refused["status"]["message"]
+
+
+def _at_prepare(node: Node, allocation_configs: list[dict[str, Any]]) -> str:
+    """What prepare says of a one-request claim (`gpu`) allocated with ``allocation_configs``."""
     ref = new_ref()
-    allocated = allocated_claim(
-        ref, claim_json(ref, [result("gpu-0")], [opaque(MISSPELT, requests=["gpu"])]), DRIVER, NODE
-    )
+    allocated = allocated_claim(ref, claim_json(ref, [result("gpu-0")], allocation_configs), DRIVER, NODE)
     inventory = node.backend.inventory()
     with pytest.raises(ClaimRejected) as at_prepare:
         plan_claim(allocated, inventory, DRIVER, common_edits(inventory, None))
-    assert refused["status"]["message"] == f"opaque config for {DRIVER}: {at_prepare.value}"
+    return str(at_prepare.value)
+
+
+def test_a_config_naming_every_request_is_described_as_the_1_37_allocation_has_it(node: Node) -> None:
+    # Kubernetes 1.37's allocator writes a config that names every request of the claim with no
+    # requests ("empty means all"); the webhook's message is then prepare's, word for word.
+    written = {
+        "kind": "ResourceClaim",
+        "spec": {
+            "devices": {
+                "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu"}}],
+                "config": [{"requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": MISSPELT}}],
+            }
+        },
+    }
+    refused = answer(written)
+    assert (
+        refused["status"]["message"] == f"opaque config for {DRIVER}: {_at_prepare(node, [opaque(MISSPELT)])}"
+    )
+    assert "(FromClaim, all requests)" in refused["status"]["message"]
+    # One request of two: its name stays, at admission as in the allocation.
+    written["spec"]["devices"]["requests"].append({"name": "other", "exactly": {"deviceClassName": "gpu"}})
+    assert "(FromClaim, requests [gpu])" in answer(written)["status"]["message"]
 
 
 @pytest.mark.parametrize(

@@ -116,3 +116,18 @@ async def test_while_the_watch_fails_the_resync_lists_the_pool_every_period() ->
         await asyncio.wait_for(publisher.wait_synced(), GUARD_S)
         listed = api.lists
         await api.until(lambda: api.lists >= listed + 5)
+
+
+async def test_a_new_desired_state_after_the_first_publish_keeps_the_pool_published() -> None:
+    # Readiness rests on `published`: a plugin preparing a burst of MIG claims changes its slices
+    # at every prepare, and its pod must not turn NotReady for it (a DaemonSet rollout replaces a
+    # NotReady plugin pod at once, and the node is then without one; seen on the real node).
+    api = FakeSliceApi()
+    publisher = publisher_on(api)
+    assert not publisher.published
+    async with running(publisher.run):
+        await asyncio.wait_for(publisher.wait_synced(), GUARD_S)
+        assert publisher.published
+        publisher.set_desired(split_pool(build_devices(inventory(h100(0), h100(1)))))
+        assert (publisher.synced, publisher.published) == (False, True)
+        await asyncio.wait_for(publisher.wait_synced(), GUARD_S)
