@@ -43,7 +43,14 @@ def webhook_app(driver_name: str, offers: OfferIndex | None = None) -> web.Appli
             return web.json_response({"error": "the body is not JSON"}, status=400)
         answer = review(body, driver_name, offers)
         if not answer["response"]["allowed"]:
-            log.info("refused", message=answer["response"]["status"]["message"])
+            asked = body.get("request") or {} if isinstance(body, dict) else {}
+            log.info(
+                "refused",
+                kind=(asked.get("kind") or {}).get("kind"),
+                namespace=asked.get("namespace"),
+                name=asked.get("name"),
+                message=answer["response"]["status"]["message"],
+            )
         return web.json_response(answer)
 
     async def healthz(_request: web.Request) -> web.Response:
