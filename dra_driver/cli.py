@@ -150,7 +150,9 @@ def _parser() -> argparse.ArgumentParser:
     inventory.set_defaults(run=_inventory)
 
     webhook = commands.add_parser(
-        "webhook", help="serve the validating admission webhook for opaque configs (docs/configuration.md)"
+        "webhook",
+        help="serve the validating admission webhook for opaque configs and capacity requests "
+        "(docs/configuration.md)",
     )
     # --kubeconfig (else the pod's account): the driver's slices, to judge capacity requests.
     add_settings_flags(webhook, ["driver_name", "kubeconfig", "log_format", "log_level"])

@@ -355,3 +355,19 @@ def test_in_a_pod_a_start_up_failure_is_one_json_log_event(node: Node) -> None:
     result = node.plugin(f"--kubeconfig={bad}", "--log-format=json", log_format=None)
     event = json_error(result, 1)
     assert "not a usable kubeconfig" in str(event["error"])
+
+
+def test_the_webhooks_kubeconfig_is_checked_like_the_plugins(tmp_path: Path) -> None:
+    """`dra-driver webhook --kubeconfig` reads the driver's slices: a missing file is one line."""
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=x"),
+            *("-keyout", str(key), "-out", str(cert)),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    tls = [f"--tls-cert-file={cert}", f"--tls-key-file={key}", "--webhook-address=127.0.0.1:0"]
+    result = dra_driver("webhook", *tls, "--kubeconfig=/nonexistent/kubeconfig")
+    one_line_error(result, 1, "/nonexistent/kubeconfig", "--kubeconfig / DRA_KUBECONFIG", "No such file")
