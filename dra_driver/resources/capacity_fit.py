@@ -21,8 +21,9 @@ What other claims already consume is not counted: a request that fits an empty d
 and the scheduler decides whether there is room. The capacities a request does not name are not
 judged either (they consume the policy's default, whatever the claim says). A device class is
 judged only when its selectors are the plain equality tests the chart writes
-(``device.driver == "<driver>" && device.attributes["<driver>"].type == "gpu"``): any other CEL may
-let the class match devices this driver does not publish, so its requests are not judged.
+(``device.driver == "<driver>" && device.attributes["<driver>"].type == "gpu"``, on the attributes
+of :data:`SELECTABLE`): any other CEL may let the class match devices this driver does not
+publish, or ones the webhook cannot tell apart, so its requests are not judged.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import cached_property
 from typing import Any
 
 _SUFFIXES: dict[str, Fraction | int] = {
@@ -166,6 +168,13 @@ class Offer:
     shareable: bool  # allowMultipleAllocations
     capacities: tuple[tuple[str, CapacityRule], ...]
 
+    def __hash__(self) -> int:  # once: offers are counted at every slice event
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash((self.kind, self.product, self.shareable, self.capacities))
+
     def rule(self, name: str) -> CapacityRule | None:
         return dict(self.capacities).get(name)
 
@@ -205,25 +214,42 @@ class ClassFilter:
 
     attributes: tuple[tuple[str, str | int | bool], ...]
 
-    def matches(self, device: Mapping[str, Any], driver: str) -> bool:
-        published = device.get("attributes") or {}
+    def matches(self, selectable: Selectable) -> bool:
         for name, wanted in self.attributes:
-            value = published.get(name)
-            if value is None and "/" not in name:  # the driver's domain, spelt out
-                value = published.get(f"{driver}/{name}")
             # CEL compares a string attribute with a string only, an int with an int, ...
             kind = "bool" if isinstance(wanted, bool) else "int" if isinstance(wanted, int) else "string"
-            if not isinstance(value, Mapping) or kind not in value or value[kind] != wanted:
+            if (name, kind, wanted) not in selectable:
                 return False
         return True
+
+
+# The attributes a class may select by and still be judged: those the chart's and NVIDIA's
+# classes use, and a few more that many devices share. A device is remembered by these alone, so
+# a node's devices fold into a handful of entries (not one per GPU and MIG placement, whose
+# uuid and PCI address differ): the webhook's memory stays small in a large cluster.
+SELECTABLE = ("type", "profile", "productName", "architecture", "brand", "vendor")
+Selectable = frozenset[tuple[str, str, str | int | bool]]  # (name, kind, value)
+
+
+def selectable(device: Mapping[str, Any], driver: str) -> Selectable:
+    """The device's :data:`SELECTABLE` attributes, in the driver's domain spelt either way."""
+    published = device.get("attributes") or {}
+    found: list[tuple[str, str, str | int | bool]] = []
+    for name in SELECTABLE:
+        value = published.get(name) or published.get(f"{driver}/{name}")
+        if isinstance(value, Mapping):
+            for kind, v in value.items():
+                if isinstance(v, str | int | bool):
+                    found.append((name, kind, v))
+    return frozenset(found)
 
 
 def class_filter(device_class: Mapping[str, Any], driver: str) -> ClassFilter | None:
     """The class's devices as a :class:`ClassFilter`, or None when it is not (only) this driver's.
 
-    None unless every selector is a conjunction of equality tests this module understands and one
-    of them pins ``device.driver`` to ``driver``: another class may match other drivers' devices,
-    whose capacities the webhook does not know.
+    None unless every selector is a conjunction of equality tests this module understands (on
+    :data:`SELECTABLE` attributes) and one of them pins ``device.driver`` to ``driver``: another
+    class may match other drivers' devices, whose capacities the webhook does not know.
     """
     selectors = (device_class.get("spec") or {}).get("selectors") or []
     pinned = False
@@ -238,8 +264,9 @@ def class_filter(device_class: Mapping[str, Any], driver: str) -> ClassFilter | 
                     return None
                 pinned = True
             elif match := _ATTRIBUTE_TEST.fullmatch(conjunct):
-                domain = _unquote(match[1], match[2])
-                name = match[3] if domain == driver else f"{domain}/{match[3]}"
+                if _unquote(match[1], match[2]) != driver or match[3] not in SELECTABLE:
+                    return None  # an attribute devices are not remembered by
+                name = match[3]
                 literal: str | int | bool
                 if match[4] is not None or match[5] is not None:
                     literal = _unquote(match[4], match[5])
@@ -332,23 +359,28 @@ class OfferIndex:
     """What the devices of each of this driver's DeviceClasses offer, from its ResourceSlices.
 
     Kept up to date by the webhook's watches (:mod:`dra_driver.webhook`), one slice and one class at
-    a time; a class's offers are counted per device, so a slice that goes takes its devices' with it.
-    Until the slices and the classes are known, nothing is judged (:meth:`problem` answers None).
+    a time. Each slice is remembered as its devices counted by (:func:`selectable` attributes,
+    :class:`Offer`), so a slice that goes takes its devices' offers with it. Until the slices and
+    the classes are known, nothing is judged (:meth:`problem` answers None).
     """
 
     def __init__(self, driver: str) -> None:
         self.driver = driver
-        self._slices: dict[str, list[tuple[Mapping[str, Any], Offer | None]]] = {}
+        self._slices: dict[str, Counter[_Device]] = {}
         self._filters: dict[str, ClassFilter] = {}
         self._counts: dict[str, Counter[Offer | None]] = {}
+        # One object per kind of device, shared by every slice that has one: a thousand nodes of
+        # the same GPUs hold a handful. Emptied at each listing, so it cannot grow for ever.
+        self._known: dict[object, _Device] = {}
 
     @property
     def device_count(self) -> int:
-        return sum(len(devices) for devices in self._slices.values())
+        return sum(devices.total() for devices in self._slices.values())
 
     def replace_slices(self, slices: Iterable[Mapping[str, Any]]) -> None:
         """The slices listed afresh: those not among them are gone."""
         self._slices.clear()
+        self._known.clear()
         for obj in slices:
             self._put_slice(obj)
         self._recount()
@@ -356,7 +388,7 @@ class OfferIndex:
     def put_slice(self, obj: Mapping[str, Any]) -> None:
         self._drop_slice(_name(obj))
         self._put_slice(obj)
-        self._count(self._slices.get(_name(obj), []), 1)
+        self._count(self._slices.get(_name(obj), Counter()), 1)
 
     def drop_slice(self, obj: Mapping[str, Any]) -> None:
         self._drop_slice(_name(obj))
@@ -399,34 +431,49 @@ class OfferIndex:
         spec = obj.get("spec") or {}
         if spec.get("driver") != self.driver:
             return
-        devices = []
+        devices: Counter[_Device] = Counter()
         for device in spec.get("devices") or []:
+            devices[self._device(device)] += 1
+        self._slices[_name(obj)] = devices
+
+    def _device(self, device: Mapping[str, Any]) -> _Device:
+        """The device as the index remembers it, made once per kind of device."""
+        attributes = selectable(device, self.driver)
+        # repr, not json.dumps: several times faster; two equal devices whose keys differ only in
+        # order make one more entry, nothing worse.
+        key = (attributes, device.get("allowMultipleAllocations"), repr(device.get("capacity")))
+        known = self._known.get(key)
+        if known is None:
             try:
                 offer: Offer | None = device_offer(device)
             except ValueError:  # not from a valid slice: its class is then not judged at all
                 offer = None
-            devices.append((device, offer))
-        self._slices[_name(obj)] = devices
+            known = self._known[key] = (attributes, offer)
+        return known
 
     def _drop_slice(self, name: str) -> None:
-        self._count(self._slices.pop(name, []), -1)
+        self._count(self._slices.pop(name, Counter()), -1)
 
     def _put_class(self, obj: Mapping[str, Any]) -> None:
         found = class_filter(obj, self.driver)
         if found is not None:
             self._filters[_name(obj)] = found
 
-    def _count(self, devices: list[tuple[Mapping[str, Any], Offer | None]], sign: int) -> None:
+    def _count(self, devices: Counter[_Device], sign: int) -> None:
         for name, found in self._filters.items():
             counts = self._counts.setdefault(name, Counter())
-            for device, offer in devices:
-                if found.matches(device, self.driver):
-                    counts[offer] += sign
+            for (attributes, offer), number in devices.items():
+                if found.matches(attributes):
+                    counts[offer] += sign * number
             self._counts[name] = +counts  # drops what fell to zero
 
     def _recount(self) -> None:
         self._counts = {}
-        self._count([device for devices in self._slices.values() for device in devices], 1)
+        for devices in self._slices.values():
+            self._count(devices, 1)
+
+
+_Device = tuple[Selectable, Offer | None]
 
 
 def _name(obj: Mapping[str, Any]) -> str:

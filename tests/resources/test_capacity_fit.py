@@ -290,5 +290,7 @@ def test_the_charts_selectors_are_understood_and_others_are_not() -> None:
         'device.driver == "gpu.other.dev"',
         'device.driver == "gpu.dra-driver.dev" && device.capacity["gpu.dra-driver.dev"].memory > 1',
         '!(device.driver == "gpu.dra-driver.dev")',
+        # One device by its uuid: devices are not remembered by attributes that tell them apart.
+        'device.driver == "gpu.dra-driver.dev" && device.attributes["gpu.dra-driver.dev"].uuid == "GPU-1"',
     ]:
         assert class_filter({"spec": {"selectors": [{"cel": {"expression": expression}}]}}, DRIVER) is None
