@@ -377,6 +377,11 @@ class OfferIndex:
     def device_count(self) -> int:
         return sum(devices.total() for devices in self._slices.values())
 
+    @property
+    def device_kinds(self) -> int:
+        """How many distinct devices the index holds: what its memory grows with."""
+        return len(self._known)
+
     def replace_slices(self, slices: Iterable[Mapping[str, Any]]) -> None:
         """The slices listed afresh: those not among them are gone."""
         self._slices.clear()

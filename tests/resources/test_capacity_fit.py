@@ -294,3 +294,10 @@ def test_the_charts_selectors_are_understood_and_others_are_not() -> None:
         'device.driver == "gpu.dra-driver.dev" && device.attributes["gpu.dra-driver.dev"].uuid == "GPU-1"',
     ]:
         assert class_filter({"spec": {"selectors": [{"cel": {"expression": expression}}]}}, DRIVER) is None
+
+
+def test_many_nodes_of_the_same_gpus_are_held_as_one_kind_of_device() -> None:
+    offers = index(*(slice_of(f"node-{n}", *(h100(minor) for minor in range(8))) for n in range(50)))
+    assert offers.device_count == 400
+    assert offers.device_kinds == 1  # uuids and PCI addresses differ; nothing a class selects by does
+    assert offers.problem("gpu", "gpu.dra-driver.dev", {"memory": "100Gi"}) is not None
