@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
+import os
 import signal
 import sys
 import tempfile
@@ -44,10 +46,12 @@ from dra_driver.errors import EXIT_FAILURE, EXIT_USAGE, StartupError
 from dra_driver.kubelet.sockets import KubeletSocketError
 from dra_driver.log import configure, crash_line, error_line, wants_json
 from dra_driver.node.checkpoint import BootIdUnavailable, CheckpointFromNewerDriver
-from dra_driver.settings import xid_numbers
+from dra_driver.settings import Settings, xid_numbers
 from dra_driver.startup import check_mig_partitions
 
 if TYPE_CHECKING:
+    from kubernetes.aio.client import ApiClient
+
     from dra_driver.devices.simulated import SimulatedBackend
 
 log = structlog.get_logger("dra_driver.cli")
@@ -148,9 +152,12 @@ def _parser() -> argparse.ArgumentParser:
     inventory.set_defaults(run=_inventory)
 
     webhook = commands.add_parser(
-        "webhook", help="serve the validating admission webhook for opaque configs (docs/configuration.md)"
+        "webhook",
+        help="serve the validating admission webhook for opaque configs and capacity requests "
+        "(docs/configuration.md)",
     )
-    add_settings_flags(webhook, ["driver_name", "log_format", "log_level"])
+    # --kubeconfig (else the pod's account): the driver's slices, to judge capacity requests.
+    add_settings_flags(webhook, ["driver_name", "kubeconfig", "log_format", "log_level"])
     webhook.add_argument("--webhook-address", default="0.0.0.0:8443", help="host:port to serve HTTPS on")
     webhook.add_argument("--tls-cert-file", type=Path, required=True, help="serving certificate (PEM)")
     webhook.add_argument("--tls-key-file", type=Path, required=True, help="its private key (PEM)")
@@ -202,6 +209,7 @@ def _kubelet_plugin(args: argparse.Namespace) -> int:
 
 
 def _webhook(args: argparse.Namespace) -> int:
+    from dra_driver.rest import JsonApi
     from dra_driver.webhook import serve_webhook
 
     settings = settings_from(args)
@@ -212,9 +220,18 @@ def _webhook(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve_webhook(
-            settings.driver_name, args.webhook_address, args.tls_cert_file, args.tls_key_file, stop
-        )
+        async with contextlib.AsyncExitStack() as held:
+            client = await _webhook_api_client(settings)
+            if client is not None:
+                held.push_async_callback(client.close)
+            await serve_webhook(
+                settings.driver_name,
+                args.webhook_address,
+                args.tls_cert_file,
+                args.tls_key_file,
+                stop,
+                api=JsonApi(client) if client is not None else None,
+            )
 
     try:
         asyncio.run(serve())
@@ -222,6 +239,20 @@ def _webhook(args: argparse.Namespace) -> int:
         print(f"error: webhook: {err}", file=sys.stderr)
         return 1
     return 0
+
+
+async def _webhook_api_client(settings: Settings) -> ApiClient | None:
+    """The API client that reads the driver's slices; None outside a pod with no --kubeconfig.
+
+    Without one the webhook still checks opaque configs and lets every capacity request through.
+    A --kubeconfig that does not work is an error; so is a pod whose account cannot be used.
+    """
+    if settings.kubeconfig is None and "KUBERNETES_SERVICE_HOST" not in os.environ:
+        log.warning("no --kubeconfig and not in a pod: capacity requests are not checked")
+        return None
+    from dra_driver.app import api_client
+
+    return await api_client(settings)
 
 
 def _inventory(args: argparse.Namespace) -> int:

@@ -5,11 +5,14 @@ kube-scheduler packs the claims of docs/examples/consumable-capacity/ onto a GPU
 share, the kubelet's own DRA code prepares them through the driver, and the tests check what the
 containers get (one CDI device per share, the share's MPS limits) and what the scheduler refuses:
 more memory than is left, a request the policy does not allow, and an exclusive claim beside shares.
+With the validating webhook (run with the chart's webhook account alone), a request no GPU could
+ever take is refused when the claim is created instead, and one the policy rounds up still runs.
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,10 +21,12 @@ import pytest
 from dra_driver.cdi.spec import cdi_device_id
 from e2e import manifests
 from e2e.claims import claim_for_gpu, claim_of, gpu_uuid, pod_using, wait_unschedulable
-from e2e.cluster import ClusterInfo, JsonObject, RestClient
+from e2e.cluster import ApiError, ClusterInfo, JsonObject, RestClient
+from e2e.daemon import wait_until
 from e2e.driver import DRIVER_NAME
 from e2e.gpu_node import GpuNode, published_devices
 from e2e.manifests import collection
+from e2e.webhook import chart_webhook_kubeconfig, label_namespace, running_webhook
 from e2e.workloads import cdi_devices, delete_pod, pod_claim, wait_running
 
 pytestmark = pytest.mark.e2e
@@ -216,3 +221,101 @@ def test_exclusive_claims_and_shares_of_one_gpu_never_mix(
     wait_running(rest, namespace, "share")
     run(rest, node, namespace, "whole-again", uuid, None)
     wait_unschedulable(rest, namespace, "whole-again")
+
+
+# The validating webhook (chart: webhook.enabled) with the driver's slices: what no GPU could ever
+# take is refused when the claim is created, with a message naming it, not left Pending.
+
+CHECKED = "consumable-capacity-e2e.dra-driver.dev/checked"
+
+
+@pytest.fixture(scope="module")
+def capacity_webhook(
+    cluster: ClusterInfo, gpu_node: GpuNode, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """`dra-driver webhook` with the chart's webhook account alone, for namespaces labelled CHECKED."""
+    directory = tmp_path_factory.mktemp("webhook")
+    rest = cluster.rest()
+    account_namespace = f"webhook-account-{uuid.uuid4().hex[:6]}"
+    rest.create("/api/v1/namespaces", {"metadata": {"name": account_namespace}})
+    try:
+        with (
+            chart_webhook_kubeconfig(
+                cluster, account_namespace, DRIVER_NAME, directory / "kubeconfig"
+            ) as kubeconfig,
+            running_webhook(
+                cluster,
+                directory,
+                driver=DRIVER_NAME,
+                name="capacity-webhook-e2e",
+                selector_label=CHECKED,
+                extra_args=[f"--kubeconfig={kubeconfig}"],
+                ready_line="listed the driver's ResourceSlices",
+            ),
+        ):
+            yield
+    finally:
+        rest.delete(f"/api/v1/namespaces/{account_namespace}")
+
+
+def refusal(rest: RestClient, namespace: str, obj: JsonObject) -> ApiError | None:
+    """The API server's refusal of `obj`; None (and `obj` deleted) while the webhook is not called yet."""
+    try:
+        rest.create(manifests.collection(obj["kind"], namespace), obj)
+    except ApiError as error:
+        return error
+    rest.delete(f"{manifests.collection(obj['kind'], namespace)}/{obj['metadata']['name']}")
+    return None
+
+
+def test_the_webhook_refuses_at_creation_what_no_gpu_could_take_naming_the_request(
+    rest: RestClient, node: GpuNode, namespace: str, capacity_webhook: None
+) -> None:
+    label_namespace(rest, namespace, CHECKED)
+    too_big = sized_claim("too-big", gpu_uuid(node, 4), "100Gi")
+
+    error = wait_until(
+        lambda: refusal(rest, namespace, too_big),
+        timeout_seconds=30,
+        waiting_for="the webhook to refuse the claim",
+    )
+
+    assert error.status == 422
+    assert (
+        'request "gpu" asks for memory 100Gi, more than any share of a gpu.dra-driver.dev GPU can have '
+        "(79Gi on NVIDIA H100 80GB HBM3)"
+    ) in error.message
+    template = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": "typo"},
+        "spec": {"spec": sized_claim("typo", gpu_uuid(node, 4), None)["spec"]},
+    }
+    template["spec"]["spec"]["devices"]["requests"][0]["exactly"]["capacity"] = {
+        "requests": {"memroy": "10Gi"}
+    }
+    error = wait_until(
+        lambda: refusal(rest, namespace, template), timeout_seconds=10, waiting_for="the template refused"
+    )
+    assert (
+        'request "gpu" names capacity "memroy", which no gpu.dra-driver.dev GPU has (they have '
+        in error.message
+    )
+    assert "memory, multiprocessors" in error.message
+
+
+def test_a_request_the_policy_rounds_up_passes_the_webhook_and_runs(
+    rest: RestClient, node: GpuNode, namespace: str, capacity_webhook: None
+) -> None:
+    label_namespace(rest, namespace, CHECKED)
+    wait_until(  # the webhook is called for this namespace: a refusal proves it
+        lambda: refusal(rest, namespace, sized_claim("probe", gpu_uuid(node, 4), "100Gi")),
+        timeout_seconds=30,
+        waiting_for="the webhook to be called",
+    )
+
+    run(rest, node, namespace, "rounded", gpu_uuid(node, 4), "10.5Gi")  # consumes 11Gi: allowed
+
+    claim = pod_claim(rest, wait_running(rest, namespace, "rounded"), "gpu")
+    assert share_of(claim)["consumedCapacity"]["memory"] == "11Gi"
+    assert claim_env(claim_spec(node, claim))["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"].endswith("=11264M")

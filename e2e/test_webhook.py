@@ -9,97 +9,35 @@ claims are not affected.
 
 from __future__ import annotations
 
-import base64
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from e2e.cluster import ApiError, ClusterInfo, JsonObject, RestClient
-from e2e.cluster.controlplane import free_ports
-from e2e.daemon import Daemon, wait_until
+from e2e.daemon import wait_until
 from e2e.manifests import collection
+from e2e.webhook import running_webhook
+from e2e.webhook import self_signed as self_signed  # re-exported: it was defined here first
 
 pytestmark = pytest.mark.e2e
 
 DRIVER = "gpu.webhook-e2e.dev"
 SELECTOR_LABEL = "webhook-e2e.dra-driver.dev/checked"
-WEBHOOKS = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations"
-
-
-def self_signed(directory: Path) -> tuple[Path, Path]:
-    cert, key = directory / "tls.crt", directory / "tls.key"
-    subprocess.run(
-        [
-            *(
-                "openssl",
-                "req",
-                "-x509",
-                "-newkey",
-                "rsa:2048",
-                "-nodes",
-                "-days",
-                "1",
-                "-subj",
-                "/CN=127.0.0.1",
-            ),
-            *("-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return cert, key
 
 
 @pytest.fixture(scope="module")
 def webhook(cluster: ClusterInfo, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    directory = tmp_path_factory.mktemp("webhook")
-    cert, key = self_signed(directory)
-    (port,) = free_ports(1)
-    daemon = Daemon("dra-driver webhook", directory / "webhook.log")
-    argv = [sys.executable, "-m", "dra_driver", "webhook", f"--driver-name={DRIVER}", "--log-format=console"]
-    argv += [f"--webhook-address=127.0.0.1:{port}", f"--tls-cert-file={cert}", f"--tls-key-file={key}"]
-    daemon.start(
-        argv, lambda offset: "serving the validating webhook" in daemon.log_since(offset), timeout_seconds=30
-    )
-    rest = cluster.rest()
-    configuration = {
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingWebhookConfiguration",
-        "metadata": {"name": "webhook-e2e"},
-        "webhooks": [
-            {
-                "name": "opaque-config.webhook-e2e.dra-driver.dev",
-                "clientConfig": {
-                    "url": f"https://127.0.0.1:{port}/validate",
-                    "caBundle": base64.b64encode(cert.read_bytes()).decode(),
-                },
-                "rules": [
-                    {
-                        "apiGroups": ["resource.k8s.io"],
-                        "apiVersions": ["*"],
-                        "operations": ["CREATE", "UPDATE"],
-                        "resources": ["resourceclaims", "resourceclaimtemplates"],
-                    }
-                ],
-                "namespaceSelector": {"matchLabels": {SELECTOR_LABEL: "true"}},
-                "failurePolicy": "Fail",
-                "sideEffects": "None",
-                "admissionReviewVersions": ["v1"],
-                "timeoutSeconds": 5,
-            }
-        ],
-    }
-    rest.create(WEBHOOKS, configuration)
-    try:
+    """No --kubeconfig and not in a pod: opaque configs are checked, capacity requests are not."""
+    with running_webhook(
+        cluster,
+        tmp_path_factory.mktemp("webhook"),
+        driver=DRIVER,
+        name="webhook-e2e",
+        selector_label=SELECTOR_LABEL,
+    ):
         yield
-    finally:
-        rest.delete(f"{WEBHOOKS}/webhook-e2e")
-        daemon.stop()
 
 
 @pytest.fixture

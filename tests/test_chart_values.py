@@ -339,7 +339,12 @@ def test_compute_domains_can_be_left_out(helm: Path) -> None:
 def test_the_account_the_pods_run_as_is_the_one_bound_and_policed(
     helm: Path, values_file: Path | None
 ) -> None:
-    manifests = [m for m in render(helm, values_file=values_file) if not _compute_domain_object(m)]
+    manifests = [
+        m
+        for m in render(helm, values_file=values_file)
+        # The ComputeDomain controller and the webhook run as accounts of their own.
+        if not _compute_domain_object(m) and not m["metadata"]["name"].endswith("-webhook")
+    ]
     given = yaml.safe_load(values_file.read_text()) if values_file else {}
     account = pod_spec(manifests)["serviceAccountName"]
 
@@ -618,3 +623,33 @@ def test_an_unknown_feature_gate_is_refused(helm: Path) -> None:
     error = render_error(helm, {"featureGates": {"ComputeDomainCliques": True}})
     assert "invalid propertyName 'ComputeDomainCliques'" in error
     assert "value must be one of 'ComputeDomains', 'MaintenanceDevices', 'NodeLabels'" in error
+
+
+def test_the_webhook_may_only_read_slices_and_classes_with_an_account_of_its_own(helm: Path) -> None:
+    manifests = render(helm, {"webhook": {"enabled": True}})
+    (deployment,) = [
+        d for d in of_kind(manifests, "Deployment") if d["metadata"]["name"].endswith("-webhook")
+    ]
+    pod = deployment["spec"]["template"]["spec"]
+    account = pod["serviceAccountName"]
+    assert pod.get("automountServiceAccountToken", True) is True  # it lists and watches
+    (binding,) = [b for b in of_kind(manifests, "ClusterRoleBinding") if b["subjects"][0]["name"] == account]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
+    (role,) = [
+        r for r in of_kind(manifests, "ClusterRole") if r["metadata"]["name"] == binding["roleRef"]["name"]
+    ]
+    assert role["rules"] == [
+        {
+            "apiGroups": ["resource.k8s.io"],
+            "resources": ["resourceslices", "deviceclasses"],
+            "verbs": ["list", "watch"],
+        }
+    ]
+    # No other role names the webhook's account.
+    bound = [
+        s
+        for kind in ("ClusterRoleBinding", "RoleBinding")
+        for b in of_kind(manifests, kind)
+        for s in b["subjects"]
+    ]
+    assert sum(s["name"] == account for s in bound) == 1

@@ -22,24 +22,31 @@ async def list_and_watch(
     *,
     resync_seconds: float,
     label_selector: str = "",
+    field_selector: str = "",
     retry_seconds: float = 1.0,
+    on_listed: Callable[[list[Json]], None] | None = None,
 ) -> None:
     """Call ``on_event(type, object)`` for every object of ``path``, for ever: like an informer.
 
     Every ``resync_seconds`` (and after any watch failure) the collection is listed again and each
     object delivered as ``"SYNC"``, so a missed event is repaired within one resync period.
+    ``on_listed`` gets each listing whole first, for a cache to drop what is no longer there.
     """
     while True:
         try:
-            query = {"labelSelector": label_selector} if label_selector else {}
-            listed = await kube.list(path, **query)
+            selectors = {"labelSelector": label_selector, "fieldSelector": field_selector}
+            listed = await kube.list(path, **{key: value for key, value in selectors.items() if value})
+            if on_listed is not None:
+                on_listed(list(listed.get("items") or []))
             for item in listed.get("items") or []:
                 await _deliver(on_event, "SYNC", item)
             version = str(listed["metadata"]["resourceVersion"])
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(resync_seconds):
                     while True:
-                        events = kube.watch(path, version, label_selector=label_selector)
+                        events = kube.watch(
+                            path, version, label_selector=label_selector, field_selector=field_selector
+                        )
                         async with contextlib.aclosing(events):
                             async for event in events:
                                 obj = event.get("object") or {}

@@ -385,3 +385,19 @@ def test_inventory_reads_nvml_from_the_driver_root_and_says_when_it_is_not_there
     one_line_error(
         result, 1, "libnvidia-ml.so.1", f"driver root {tmp_path}", "--driver-root / DRA_DRIVER_ROOT"
     )
+
+
+def test_the_webhooks_kubeconfig_is_checked_like_the_plugins(tmp_path: Path) -> None:
+    """`dra-driver webhook --kubeconfig` reads the driver's slices: a missing file is one line."""
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=x"),
+            *("-keyout", str(key), "-out", str(cert)),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    tls = [f"--tls-cert-file={cert}", f"--tls-key-file={key}", "--webhook-address=127.0.0.1:0"]
+    result = dra_driver("webhook", *tls, "--kubeconfig=/nonexistent/kubeconfig")
+    one_line_error(result, 1, "/nonexistent/kubeconfig", "--kubeconfig / DRA_KUBECONFIG", "No such file")
