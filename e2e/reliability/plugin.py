@@ -114,7 +114,11 @@ class Plugin:
         )
         deadline = time.monotonic() + START_TIMEOUT_S
         await self._until(self.registration_socket.exists, deadline)
-        self.endpoint = await register(self.registration_socket, DRIVER)
+        try:
+            self.endpoint = await register(self.registration_socket, DRIVER)
+        except grpc.aio.AioRpcError:
+            self._check_alive(deadline)  # the daemon registers early: a crash point may end it here
+            raise
         self._channel = grpc.aio.insecure_channel(f"unix:{self.endpoint}")
         self._stub = dra_pb2_grpc.DRAPluginStub(self._channel)
         await self._until_ready(deadline)
@@ -174,12 +178,16 @@ class Plugin:
 
     async def _until(self, condition: object, deadline: float) -> None:
         while not condition():  # type: ignore[operator]
-            if not self.running:
-                status = self.reap()
-                raise PluginDied(f"the daemon exited with status {status} while starting")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the daemon did not start within {START_TIMEOUT_S:.0f} s:\n{self.tail()}")
+            self._check_alive(deadline)
             await asyncio.sleep(0.01)
+
+    def _check_alive(self, deadline: float) -> None:
+        """Raise when the daemon exited (PluginDied) or the start took too long."""
+        if not self.running:
+            status = self.reap()
+            raise PluginDied(f"the daemon exited with status {status} while starting")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the daemon did not start within {START_TIMEOUT_S:.0f} s:\n{self.tail()}")
 
     async def _until_ready(self, deadline: float) -> None:
         import urllib.request
@@ -192,8 +200,9 @@ class Plugin:
             except OSError:
                 return False
 
+        # The sockets open before the state is ready, so a crash point can end the daemon here.
         while not await asyncio.to_thread(ready):
-            await self._until(lambda: True, deadline)
+            self._check_alive(deadline)
             await asyncio.sleep(0.02)
 
     def _argv(self) -> list[str]:
