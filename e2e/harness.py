@@ -3,14 +3,24 @@ plugin manager (see its README.md for what it does and what tests observe of it)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from pathlib import Path
 
+from e2e.cluster import features
 from e2e.cluster.binaries import build_outputs
 from e2e.daemon import Daemon
 
 # What the harness logs once it watches the registration directory and syncs its node's pods.
 _RUNNING = "Kubelet harness running"
+
+
+@functools.cache
+def feature_gates_flag(binary: Path) -> str:
+    """The wanted DRA gates the harness of this release can set. Like a real kubelet's, its alpha
+    gates are off unless asked for: on 1.34 and 1.35 the kubelet side of extended resources, consumable
+    capacity and device health would otherwise be off while the control plane has them on."""
+    return features.feature_gates_flag(features.settable_gates(binary))
 
 
 def ensure_harness_binary() -> Path:
@@ -44,6 +54,7 @@ class KubeletHarness:
             f"--state-dir={state_dir}",
             f"--node-labels={','.join(f'{key}={value}' for key, value in sorted(labels.items()))}",
             f"--heartbeat-interval={heartbeat_interval}",
+            f"--feature-gates={feature_gates_flag(binary)}",
         ]
         self._daemon = Daemon(f"kubelet-harness[{node_name}]", log)
 

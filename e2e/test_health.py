@@ -25,6 +25,7 @@ import yaml
 from dra_driver.devices.simulated import SimulatedBackend
 from e2e.claims import claim_of, gpu_uuid, run_on_gpu, wait_unschedulable
 from e2e.cluster import ClusterInfo, JsonObject, RestClient
+from e2e.cluster.features import kube_minor
 from e2e.daemon import wait_until
 from e2e.driver import DRIVER_NAME
 from e2e.gpu_node import GpuNode, published_devices
@@ -267,8 +268,16 @@ def test_an_xid_taints_the_gpu_and_its_partitions_and_only_tolerating_claims_get
     assert allocated_devices(pod_claim(rest, waited, "gpu")) == ["gpu-3"]
 
 
+def kubelet_reports_health_of_named_claims(kube_version: str) -> bool:
+    """Whether the kubelet puts device health into the status of a pod that names its ResourceClaim
+    (resourceClaimName), as run_on_gpu's pods do. Before 1.36 it finds such a claim only when the
+    pod's claim entry has the claim's own name (1.34) or through pod.status.resourceClaimStatuses,
+    which only template-made claims get (1.35); 1.36 also resolves it from the pod's spec."""
+    return kube_minor(kube_version) >= 36
+
+
 def test_device_health_reaches_the_pod_status_and_the_claim_status_names_the_gpu(
-    rest: RestClient, node: GpuNode, namespace: str
+    rest: RestClient, cluster: ClusterInfo, node: GpuNode, namespace: str
 ) -> None:
     uuid = gpu_uuid(node, 2)
     run_on_gpu(rest, node, namespace, "app", uuid)
@@ -276,7 +285,9 @@ def test_device_health_reaches_the_pod_status_and_the_claim_status_names_the_gpu
     # The kubelet names each device of the container by the CDI id the driver gave it.
     (resource,) = expected_cdi_ids(pod_claim(rest, pod, "gpu"))
     pods = collection("Pod", namespace)
-    rest.wait_for(pods, "app", lambda pod: device_health(pod).get(resource) == "Healthy")
+    in_pod_status = kubelet_reports_health_of_named_claims(cluster.kube_version)
+    if in_pod_status:
+        rest.wait_for(pods, "app", lambda pod: device_health(pod).get(resource) == "Healthy")
 
     def status_device(claim: JsonObject) -> JsonObject | None:
         entries = claim.get("status", {}).get("devices") or []
@@ -293,7 +304,8 @@ def test_device_health_reaches_the_pod_status_and_the_claim_status_names_the_gpu
     assert node.driver.metric("dra_driver_claim_device_info", **labels, claim_uid=uid, healthy="True") == 1
 
     assert simulate(node, "xid", "--gpu", "2", "--xid", "94").returncode == 0
-    rest.wait_for(pods, "app", lambda pod: device_health(pod).get(resource) == "Unhealthy")
+    if in_pod_status:
+        rest.wait_for(pods, "app", lambda pod: device_health(pod).get(resource) == "Unhealthy")
     unhealthy = rest.wait_for(
         claims, "app", lambda c: (status_device(c) or {}).get("conditions", [{}])[0].get("status") == "False"
     )
@@ -309,7 +321,14 @@ def test_device_health_reaches_the_pod_status_and_the_claim_status_names_the_gpu
     )
 
     assert simulate(node, "recover", "--gpu", "2").returncode == 0
-    rest.wait_for(pods, "app", lambda pod: device_health(pod).get(resource) == "Healthy")
+    if in_pod_status:
+        rest.wait_for(pods, "app", lambda pod: device_health(pod).get(resource) == "Healthy")
+    else:  # the claim's status shows the recovery all the same
+        rest.wait_for(
+            claims,
+            "app",
+            lambda c: (status_device(c) or {}).get("conditions", [{}])[0].get("status") == "True",
+        )
 
 
 def test_a_gpu_that_fell_off_the_bus_evicts_its_pods_and_their_claims_are_unprepared(

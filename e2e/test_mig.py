@@ -21,6 +21,7 @@ import pytest
 from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import Gpu, MigDevice
 from dra_driver.resources.naming import mig_device_name
+from dra_driver.resources.server_rules import rules_for
 from e2e import manifests
 from e2e.cluster import ClusterInfo, JsonObject, RestClient
 from e2e.daemon import wait_until
@@ -189,7 +190,7 @@ def check_mig_spec(node: GpuNode, claim: JsonObject) -> None:
 
 
 def test_a_16_gpu_node_publishes_valid_slices_and_serves_its_last_gpu(
-    rest: RestClient, node: GpuNode, namespace: str
+    rest: RestClient, cluster: ClusterInfo, node: GpuNode, namespace: str
 ) -> None:
     def complete_pool() -> list[JsonObject] | None:
         items = published_slices(rest, node.name)
@@ -202,9 +203,14 @@ def test_a_16_gpu_node_publishes_valid_slices_and_serves_its_last_gpu(
     )
     counter_sets = [cs for item in items for cs in item["spec"].get("sharedCounters") or []]
     devices = [d for item in items for d in item["spec"].get("devices") or []]
-    # 16 counter sets fill two slices of 8; 16 x 26 devices that consume counters, 64 at most per slice.
     assert sorted(cs["name"] for cs in counter_sets) == sorted(f"gpu-{i}-counter-set" for i in range(GPUS))
-    assert len(items) == 10  # 2 counter slices, 8 device slices of two GPUs (52 devices) each
+    if rules_for(cluster.kube_version).counters_beside_devices:
+        # 1.34: one slice per GPU, holding its counter set beside the devices that consume it.
+        assert len(items) == GPUS
+        assert all(len(item["spec"]["sharedCounters"]) == 1 for item in items)
+    else:
+        # 16 counter sets fill two slices of 8; 16 x 26 devices that consume counters, 64 at most per slice.
+        assert len(items) == 10  # 2 counter slices, 8 device slices of two GPUs (52 devices) each
     counter_free = [d["name"] for d in devices if not d.get("consumesCounters")]
     assert sorted(counter_free) == sorted(f"gpu-{i}-maintenance" for i in range(GPUS))  # admin access only
     assert len(devices) - len(counter_free) == GPUS * DEVICES_PER_IDLE_H100

@@ -12,6 +12,7 @@ from dra_driver.cdi.validate import validate_spec
 from dra_driver.devices.types import Inventory
 from dra_driver.resources.naming import gpu_device_name, mig_device_name
 from e2e.cluster import ApiError, JsonObject, RestClient
+from e2e.cluster.features import kube_minor
 from e2e.daemon import wait_until
 from e2e.driver import DRIVER_NAME
 from e2e.gpu_node import GpuNode, published_devices
@@ -60,6 +61,24 @@ def cdi_devices(pod: Mapping[str, Any]) -> dict[str, list[str]]:
     annotations = pod["metadata"].get("annotations") or {}
     devices: dict[str, list[str]] = json.loads(annotations[CDI_DEVICES_ANNOTATION])
     return devices
+
+
+def kubelet_repeats_cdi_ids(kube_version: str) -> bool:
+    """Whether this release's kubelet may hand a container the same CDI id twice. Before 1.37 the
+    kubelet's DRA manager appends a claim's devices each time NodePrepareResources answers for it,
+    without clearing those of an earlier answer: a claim prepared again (two pods sharing it started
+    at once, or a kubelet restart) gives its containers every id twice. 1.37 clears them first
+    (ClaimInfo.resetDevices in pkg/kubelet/cm/dra); the driver's answers are the same either way."""
+    return kube_minor(kube_version) < 37
+
+
+def distinct_cdi_devices(pod: Mapping[str, Any], kube_version: str) -> dict[str, list[str]]:
+    """cdi_devices(pod), with the kubelet's repeats (kubelet_repeats_cdi_ids) dropped on the releases
+    that have them; on 1.37 and later exactly what the runtime was handed."""
+    devices = cdi_devices(pod)
+    if not kubelet_repeats_cdi_ids(kube_version):
+        return devices
+    return {container: list(dict.fromkeys(ids)) for container, ids in devices.items()}
 
 
 def pod_claim(rest: RestClient, pod: Mapping[str, Any], claim_ref: str) -> JsonObject:

@@ -24,6 +24,7 @@ WANTED_GATES = (
     "DRAPartitionableDevices",
     "DRAPrioritizedList",
     "DRAResourceClaimDeviceStatus",
+    "ResourceHealthStatus",  # the pods' allocatedResourcesStatus (kubelet and API server); beta in 1.36
 )
 
 # Lines such as "kube:DRAConsumableCapacity=true|false (BETA - default=true)", with or without the

@@ -42,6 +42,10 @@ type trackedPod struct {
 	pod     *v1.Pod
 	deleted bool
 	started bool
+	// released: this pod's claims were unprepared (terminated or finished). The kubelet releases a
+	// pod's claims once; a second UnprepareResources for it would, before 1.37, unprepare a claim
+	// that another pod still uses (the DRA manager did not check that the pod still references it).
+	released bool
 }
 
 // podController plays the kubelet's pod workers for pods bound to the node. Pods are keyed by
@@ -178,10 +182,12 @@ func (c *podController) sync(ctx context.Context, uid types.UID) error {
 
 	switch {
 	case snapshot.deleted:
-		// Gone from the API server: deleted by us after unprepare (then this is a no-op),
-		// or force-deleted while running. Like the kubelet, stop it and release its claims.
-		if err := c.dra.UnprepareResources(ctx, pod); err != nil {
-			return err
+		// Gone from the API server: deleted by us after unprepare (then its claims are released
+		// already), or force-deleted while running. Like the kubelet, stop it and release its claims.
+		if !snapshot.released {
+			if err := c.dra.UnprepareResources(ctx, pod); err != nil {
+				return err
+			}
 		}
 		c.mutex.Lock()
 		if c.pods[uid] == tracked && tracked.deleted {
@@ -190,10 +196,10 @@ func (c *podController) sync(ctx context.Context, uid types.UID) error {
 		c.mutex.Unlock()
 		return nil
 	case pod.DeletionTimestamp != nil:
-		return c.terminate(ctx, pod)
+		return c.terminate(ctx, tracked, snapshot.released, pod)
 	case hasFinished(pod):
 		// The kubelet releases the claims of a pod whose containers have all exited.
-		return c.dra.UnprepareResources(ctx, pod)
+		return c.release(ctx, tracked, snapshot.released, pod)
 	case !snapshot.started:
 		return c.start(ctx, tracked, pod)
 	default:
@@ -258,8 +264,8 @@ func (c *podController) publishStatus(ctx context.Context, pod *v1.Pod) error {
 // claims get unprepared (the kubelet does this after the containers stopped and before it
 // reports the pod terminated), then the deletion is completed with grace period 0, as the
 // kubelet's status manager does.
-func (c *podController) terminate(ctx context.Context, pod *v1.Pod) error {
-	if err := c.dra.UnprepareResources(ctx, pod); err != nil {
+func (c *podController) terminate(ctx context.Context, tracked *trackedPod, released bool, pod *v1.Pod) error {
+	if err := c.release(ctx, tracked, released, pod); err != nil {
 		c.recorder.Eventf(pod, v1.EventTypeWarning, ReasonFailedUnprepareDynamicResources,
 			"Failed to unprepare dynamic resources: %v", err)
 		return err
@@ -272,6 +278,21 @@ func (c *podController) terminate(ctx context.Context, pod *v1.Pod) error {
 		return ignoreGone(fmt.Errorf("complete deletion: %w", err))
 	}
 	klog.FromContext(ctx).V(2).Info("Pod stopped and deleted")
+	return nil
+}
+
+// release unprepares the pod's claims unless that was done already, and records that it was, so
+// that the claims of one pod are released once.
+func (c *podController) release(ctx context.Context, tracked *trackedPod, released bool, pod *v1.Pod) error {
+	if released {
+		return nil
+	}
+	if err := c.dra.UnprepareResources(ctx, pod); err != nil {
+		return err
+	}
+	c.mutex.Lock()
+	tracked.released = true
+	c.mutex.Unlock()
 	return nil
 }
 
