@@ -12,9 +12,10 @@ What the kubelet does with a plugin that registers and then holds a call, from i
 * registration is GetInfo (1 s timeout) and NotifyRegistrationStatus (5 s), both answered
   at once by the registration servicer; nothing else is asked of a plugin to register it;
 * every prepare or unprepare call carries a deadline of 45 s (``defaultClientCallTimeout``).
-  grpc.aio cancels the handler when the deadline passes, and with it the wait here, so a
-  held call never outlives the kubelet's interest in it. A call that times out fails the
-  pod's prepare (event ``FailedPrepareDynamicResources``) and the pod worker retries it,
+  grpc.aio cancels the handler when the server sees the deadline pass (a moment after the
+  kubelet gives up), and with it the wait here, so a held call is not served once it expired.
+  A call that times out fails the pod's prepare (event ``FailedPrepareDynamicResources``) and
+  the pod worker retries it,
   exactly as for a slow API server; the unprepare reconcile loop retries every 60 s;
 * the kubelet's health stream (1.36+) is served from the start: the device health board
   exists before the sockets do and sends what it knows.
@@ -45,6 +46,12 @@ class DeferredPreparer:
         self._preparer: ClaimPreparer | None = None
         self._failure: ClaimError | None = None
         self._settled = asyncio.Event()
+        self._held = 0
+
+    @property
+    def held(self) -> int:
+        """How many calls are waiting for the daemon to be ready."""
+        return self._held
 
     def ready(self, preparer: ClaimPreparer) -> None:
         """Serve every held and later call with ``preparer``."""
@@ -70,7 +77,11 @@ class DeferredPreparer:
         return await preparer.unprepare(claims)
 
     async def _settle(self) -> ClaimPreparer | ClaimError:
-        await self._settled.wait()  # cancelled with the call when the kubelet's deadline passes
+        self._held += 1
+        try:
+            await self._settled.wait()  # cancelled with the call when the kubelet's deadline passes
+        finally:
+            self._held -= 1
         result = self._preparer or self._failure
         assert result is not None
         return result

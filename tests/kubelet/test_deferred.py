@@ -92,6 +92,12 @@ async def test_a_held_call_ends_at_its_deadline_and_the_plugin_serves_on(make_pl
         with pytest.raises(grpc.aio.AioRpcError) as expired:
             await stub.NodePrepareResources(REQUEST, timeout=0.2)
         assert expired.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        # The server cancels the handler when it sees the deadline pass, a moment after the client.
+        for _ in range(500):
+            if deferred.held == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert deferred.held == 0, "the expired call is still held"
         deferred.ready(real)
         response = await stub.NodePrepareResources(REQUEST, timeout=5)
     assert response.claims[CLAIM.uid].error == ""
