@@ -191,10 +191,26 @@ def test_sms_asked_for_become_the_shares_thread_percentage(
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"].endswith("=20480M")
 
 
+def _claims_on(rest: RestClient, node: GpuNode, device: str) -> list[str]:
+    """The claims of the whole cluster allocated ``device`` of ``node``."""
+    claims = rest.get("/apis/resource.k8s.io/v1/resourceclaims")["items"]
+    return [
+        claim["metadata"]["name"]
+        for claim in claims
+        for result in claim.get("status", {}).get("allocation", {}).get("devices", {}).get("results", [])
+        if (result.get("pool"), result.get("device")) == (node.name, device)
+    ]
+
+
 def test_seven_10gi_claims_fit_an_h100_and_the_eighth_waits_for_memory(
     rest: RestClient, node: GpuNode, namespace: str
 ) -> None:
     uuid = gpu_uuid(node, 5)
+    wait_until(  # an earlier test's claims are deallocated a moment after their namespace goes
+        lambda: not _claims_on(rest, node, "gpu-5"),
+        timeout_seconds=60,
+        waiting_for="earlier tests' claims on gpu-5 to be deallocated",
+    )
     for index in range(7):
         run(rest, node, namespace, f"share-{index}", uuid, "10Gi")
     for index in range(7):

@@ -301,7 +301,11 @@ def test_device_health_reaches_the_pod_status_and_the_claim_status_names_the_gpu
     assert [(c["type"], c["status"]) for c in entry["conditions"]] == [("Healthy", "True")]
     labels = {"namespace": namespace, "claim": "app", "device": "gpu-2", "uuid": uuid}
     uid = claim["metadata"]["uid"]
-    assert node.driver.metric("dra_driver_claim_device_info", **labels, claim_uid=uid, healthy="True") == 1
+    wait_until(  # the metric follows the status write a moment later
+        lambda: node.driver.metric("dra_driver_claim_device_info", **labels, claim_uid=uid, healthy="True"),
+        timeout_seconds=TIMEOUT_S,
+        waiting_for="the metric to show the device healthy",
+    )
 
     assert simulate(node, "xid", "--gpu", "2", "--xid", "94").returncode == 0
     if in_pod_status:
