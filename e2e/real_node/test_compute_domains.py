@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,6 +24,7 @@ from kubernetes import client
 
 from e2e import manifests
 from e2e.cluster import ClusterInfo, RestClient
+from e2e.daemon import wait_until
 from e2e.real_node.driver import CHART, NAMESPACE, RELEASE, DriverRelease
 from e2e.realnode import config
 from e2e.realnode.images import IMAGES, chart_app_version
@@ -49,14 +49,7 @@ _T = TypeVar("_T")
 
 
 def _wait(probe: Callable[[], _T | None], what: str, timeout: float = 180) -> _T:
-    deadline = time.monotonic() + timeout
-    while True:
-        found = probe()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gave up waiting for {what}")
-        time.sleep(0.5)
+    return wait_until(probe, timeout_seconds=timeout, waiting_for=what)
 
 
 def _delete_domains(rest: RestClient) -> None:

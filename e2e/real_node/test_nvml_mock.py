@@ -18,6 +18,7 @@ from kubernetes import client
 
 from e2e import manifests
 from e2e.cluster import ClusterInfo
+from e2e.daemon import wait_until
 from e2e.driver import MOCK_NVML_DRIVER_VERSION
 from e2e.real_node.driver import NAMESPACE, PROFILE, DriverRelease, install_driver
 from e2e.real_node.gpu_view import (
@@ -156,11 +157,4 @@ def test_an_mps_claim_runs_its_control_daemon_as_a_deployment_on_the_kubelet(
 
 
 def _wait(probe: Callable[[], _T | None], what: str, timeout: float = 120) -> _T:
-    deadline = time.monotonic() + timeout
-    while True:
-        found = probe()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gave up waiting for {what}")
-        time.sleep(0.5)
+    return wait_until(probe, timeout_seconds=timeout, waiting_for=what)

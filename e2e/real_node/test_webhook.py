@@ -14,7 +14,6 @@ proxy (e2e/realnode/api_proxy.py).
 from __future__ import annotations
 
 import subprocess
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ import yaml
 from kubernetes import client
 
 from e2e.cluster import ClusterInfo, ControlPlaneBinaries
+from e2e.daemon import wait_until
 from e2e.real_node.driver import CHART, DRIVER_NAME, NAMESPACE, RELEASE, DriverRelease
 from e2e.realnode.images import IMAGES, chart_app_version
 from e2e.realnode.node import RealNode
@@ -44,14 +44,7 @@ _T = TypeVar("_T")
 
 
 def _wait(probe: Callable[[], _T | None], what: str, timeout: float = 120) -> _T:
-    deadline = time.monotonic() + timeout
-    while True:
-        found = probe()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gave up waiting for {what}")
-        time.sleep(0.5)
+    return wait_until(probe, timeout_seconds=timeout, waiting_for=what)
 
 
 @pytest.fixture(scope="module")
