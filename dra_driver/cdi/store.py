@@ -29,7 +29,7 @@ import fcntl
 import json
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,43 @@ class SpecStore:
 
     def write(self, claim_uid: str, spec: Mapping[str, Any]) -> Path:
         """Validate ``spec`` and replace the claim's spec file with it atomically; returns the path."""
+        path, fd = self._write_locked(claim_uid, spec)
+        os.close(fd)
+        return path
+
+    @contextlib.contextmanager
+    def write_held(self, claim_uid: str, spec: Mapping[str, Any]) -> Iterator[Path]:
+        """:meth:`write`, keeping the new spec locked until the block ends.
+
+        The one-step prepare holds its spec while it commits the claim's record: until then a
+        spec without a record is what a crash would leave, and another plugin instance starting
+        meanwhile (a rolling update) must not take it for one (:meth:`held_by_a_writer`).
+        """
+        path, fd = self._write_locked(claim_uid, spec)
+        try:
+            yield path
+        finally:
+            os.close(fd)
+
+    def held_by_a_writer(self, claim_uid: str) -> bool:
+        """Whether a live process holds the claim's spec locked (:meth:`write_held`).
+
+        The kernel drops the lock when its holder dies, so a spec a crash left is never held.
+        """
+        try:
+            fd = os.open(self.path_for(claim_uid), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+    def _write_locked(self, claim_uid: str, spec: Mapping[str, Any]) -> tuple[Path, int]:
+        """Write the spec; its path and a descriptor that holds it exclusively locked."""
         path = self.path_for(claim_uid)
         validate_spec(spec)
         if spec["kind"] != self._kind:
@@ -74,20 +111,21 @@ class SpecStore:
         self._dir.mkdir(parents=True, exist_ok=True)
         fd, temp_name = _locked_temp_file(self._dir, prefix=f".{path.stem}.")
         try:
-            with os.fdopen(fd, "wb") as temp:
+            with os.fdopen(fd, "wb", closefd=False) as temp:
                 temp.write(data)
                 temp.flush()
                 # Readable like any other spec: tools such as `cdi list` need not run as root.
                 os.fchmod(temp.fileno(), 0o644)
-                crashpoint.reached("cdi.before_rename")
-                # Renamed while still open and locked: see remove_leftover_temps.
-                os.replace(temp_name, path)
+            crashpoint.reached("cdi.before_rename")
+            # Renamed while still open and locked: see remove_leftover_temps.
+            os.replace(temp_name, path)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temp_name)
+            os.close(fd)
             raise
         crashpoint.reached("cdi.after_write")
-        return path
+        return path, fd
 
     def remove(self, claim_uid: str) -> None:
         """Delete the claim's spec; a spec that is already gone is fine."""

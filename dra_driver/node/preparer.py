@@ -20,7 +20,9 @@ One prepare, for one claim::
 The one-step commit is safe because a spec on disk without a record is what recovery
 already treats as a prepared claim (:mod:`dra_driver.node.recovery`): after a crash
 between the two, the devices stay reserved until the kubelet's retry or unprepare. It
-halves the checkpoint writes of the common prepare.
+halves the checkpoint writes of the common prepare. The spec stays locked until its
+record is committed, so that a second instance starting meanwhile (a rolling update)
+does not take a live prepare for a crashed one.
 
 Unprepare stops the claim's MPS daemon and puts back each GPU's compute mode and time
 slice (unless another prepared claim still shares that GPU), then destroys the claim's
@@ -358,14 +360,15 @@ class NodePreparer:
 
     async def _write_spec_and_commit(self, uid: str, plan: ClaimPlan, reserve: Reserve) -> None:
         """The one-step prepare: the spec, then the completed record; no spec stays if it is refused."""
-        self._specs.write(uid, plan.cdi_spec)
-        try:
-            await self._journal.commit(reserve)
-        except BaseException:
-            # Another attempt's record of this claim (another instance) keeps the spec: it is theirs too.
-            if uid not in self._journal.state.claims:
-                self._specs.remove(uid)
-            raise
+        # Held until the record is committed: another instance starting meanwhile leaves it alone.
+        with self._specs.write_held(uid, plan.cdi_spec):
+            try:
+                await self._journal.commit(reserve)
+            except BaseException:
+                # Another attempt's record of this claim (another instance) keeps the spec: theirs too.
+                if uid not in self._journal.state.claims:
+                    self._specs.remove(uid)
+                raise
 
     async def _destroy_replaced(self, old: ClaimRecord, new: ClaimRecord) -> None:
         """Destroy the MIG devices an earlier attempt created that the new record does not use."""

@@ -13,7 +13,9 @@ with the devices the spec names, which keeps those devices reserved until the
 kubelet's unprepare (or a repeated prepare) replaces the record. No API call is
 needed, nor possible: the spec's file name holds only the claim uid, and asking the
 API server cannot tell more than the kubelet will. A spec that cannot be read is
-removed: no runtime could use it either.
+removed: no runtime could use it either. A spec another plugin instance holds locked
+(a rolling update: its prepare has written the spec and not yet committed the record)
+is that instance's, and is left to it.
 
 MIG devices the driver created for claims (dynamic MIG) are compared with the ones
 alive on the GPUs, which survive a restart of the plugin but not a reboot:
@@ -87,6 +89,10 @@ def starting_state(
     # A spec without a record: the checkpoint was lost or damaged after the prepare wrote it.
     claims = dict(state.claims)
     for uid in sorted(specs.claim_uids() - set(claims)):
+        if specs.held_by_a_writer(uid):
+            # Another instance (rolling update) is between the spec and its record: not a crash's.
+            log.info("left the CDI spec of a live prepare to its plugin instance", claim_uid=uid)
+            continue
         record = _recovered(uid, specs, pool, ours)
         if record is None:
             specs.remove(uid)

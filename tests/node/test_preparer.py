@@ -240,14 +240,14 @@ async def test_failed_spec_write_leaves_neither_spec_nor_record(
     ref, other = new_ref("c"), new_ref("other")
     node.allocate(ref, "gpu-0")
     node.allocate(other, "gpu-1")
-    real_write = node.specs.write
+    real_write = preparer._specs._write_locked  # under write and write_held
 
-    def failing_write(claim_uid: str, spec: Mapping[str, Any]) -> Path:
+    def failing_write(claim_uid: str, spec: Mapping[str, Any]) -> tuple[Path, int]:
         if claim_uid == ref.uid:
             raise OSError(5, "Input/output error")
         return real_write(claim_uid, spec)
 
-    monkeypatch.setattr(preparer._specs, "write", failing_write)
+    monkeypatch.setattr(preparer._specs, "_write_locked", failing_write)
 
     outcomes = await preparer.prepare([ref, other])
 
@@ -422,6 +422,42 @@ async def test_two_plugin_instances_keep_each_others_claims(node: Node) -> None:
     assert "device gpu-0 is already prepared for claim default/a" in error_of(refused[clash.uid])
     assert await new.unprepare([a]) == {a.uid: None}
     assert set(node.on_disk().claims) == {b.uid, c.uid}
+
+
+async def test_an_instance_starting_during_a_prepare_leaves_that_prepare_alone(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A rolling update: the new instance repairs the checkpoint while the old one has written
+    # a claim's spec and not yet its record. That spec is a live prepare's, not a crash's.
+    old = await node.started()
+    ref = new_ref("in-flight")
+    node.allocate(ref, "gpu-2")
+    spec_written, go_on = asyncio.Event(), asyncio.Event()
+    real_commit = old._journal.commit
+
+    async def paused_commit(mutation: Any) -> None:
+        spec_written.set()
+        await go_on.wait()
+        await real_commit(mutation)
+
+    monkeypatch.setattr(old._journal, "commit", paused_commit)
+    prepare = asyncio.create_task(old.prepare([ref]))
+    await spec_written.wait()
+    assert node.specs.path_for(ref.uid).exists()
+
+    with structlog.testing.capture_logs() as logs:
+        new = await node.started()
+    go_on.set()
+    outcome = await prepare
+
+    assert devices_of(outcome[ref.uid])
+    assert node.on_disk().claims[ref.uid].phase == "PrepareCompleted"
+    assert spec_devices(node.specs.path_for(ref.uid)) == [f"{ref.uid}-gpu-2"]
+    assert [e["event"] for e in logs if e.get("claim_uid") == ref.uid] == [
+        "left the CDI spec of a live prepare to its plugin instance"
+    ]
+    assert await new.unprepare([ref]) == {ref.uid: None}
+    assert_nothing_left_for(node, ref.uid)
 
 
 # --- restarts: leftovers, reboots, damaged checkpoints ---------------------------------------------------
