@@ -3,17 +3,23 @@
 A field ``driver_name`` is the CLI flag ``--driver-name``, the environment variable
 ``DRA_DRIVER_NAME`` and (issue: Helm chart) a value in ``values.yaml``. Flags win over the
 environment, which wins over the defaults.
+
+The environment is read here rather than through pydantic-settings: every setting is a
+scalar, so a variable's text goes to the field's validator as a flag's does. That package
+and the sources it imports (dotenv, cloud secret stores, a CLI parser of its own) cost the
+daemon 1.1 MiB of memory for nothing it needs.
 """
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import Field, ValidationInfo, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from dra_driver.devices.driver_root import parse_capabilities
 from dra_driver.devices.faults import APPLICATION_XIDS, GPU_LOST_XIDS
@@ -44,10 +50,16 @@ class TaintsOnRecovery(StrEnum):
     KEEP = "keep"
 
 
-class Settings(BaseSettings):
-    """Settings of ``dra-driver kubelet-plugin`` (and the offline ``inventory`` command)."""
+class Settings(BaseModel):
+    """Settings of ``dra-driver kubelet-plugin`` (and the offline ``inventory`` command).
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+    ``Settings(**flags)`` reads the environment too: a keyword wins over ``DRA_<FIELD>``.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    def __init__(self, /, **given: Any) -> None:
+        super().__init__(**{**environment_settings(os.environ), **given})
 
     driver_name: Annotated[
         str,
@@ -378,6 +390,12 @@ class Settings(BaseSettings):
     @property
     def state_dir(self) -> Path:
         return self.data_dir or self.plugins_dir / self.driver_name
+
+
+def environment_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """The settings ``DRA_<FIELD>`` variables give, by field name; names match in any case."""
+    fields = {ENV_PREFIX + name.upper(): name for name in Settings.model_fields}
+    return {fields[key.upper()]: value for key, value in environ.items() if key.upper() in fields}
 
 
 def http_host_port(address: str) -> tuple[str, int]:
