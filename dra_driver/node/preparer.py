@@ -179,7 +179,7 @@ class NodePreparer:
         """Load the checkpoint (repairing it after a reboot, damage or a crash); call once before serving."""
         boot_id = await asyncio.to_thread(read_boot_id, self._boot_id_path)
         await self._journal.open(boot_id, self._starting_state)
-        await self._sharing.stop_leftover_daemons(self._journal.state)
+        await self._sharing.stop_leftover_daemons(self._journal.refresh)
         log.info(
             "prepared claims loaded", claims=len(self._journal.state.claims), path=str(self._journal.path)
         )

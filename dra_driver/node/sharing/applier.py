@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Awaitable, Callable
 
 import structlog
 
@@ -163,10 +164,13 @@ class SharingApplier:
         if failures:
             raise SharingError(f"cannot restore the GPUs' settings: {'; '.join(failures)}")
 
-    async def stop_leftover_daemons(self, state: Checkpoint) -> None:
+    async def stop_leftover_daemons(self, fresh_state: Callable[[], Awaitable[Checkpoint]]) -> None:
         """Stop the daemons no claim records (a prepare that crashed before recording its daemon).
 
         A claim recovered from its CDI spec has no sharing record: daemons named after its uid stay.
+        The records are read after the daemons are listed: a prepare records its daemon before it
+        starts it, so a daemon that the other instance of a rolling update started meanwhile has
+        its record by then.
         """
         if self._mps is None:
             return
@@ -175,6 +179,7 @@ class SharingApplier:
         except Exception as error:  # the plugin still serves without this clean-up
             log.warning("mps_daemons_unlisted", error=str(error))
             return
+        state = await fresh_state()
         recorded = {r.sharing.mps_daemon for r in state.claims.values() if r.sharing and r.sharing.mps_daemon}
         for daemon in sorted(running - recorded):
             if any(daemon.startswith(f"{uid}-") for uid in state.claims):

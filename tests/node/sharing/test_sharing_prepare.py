@@ -350,6 +350,31 @@ async def test_a_daemon_no_claim_records_is_stopped_when_the_plugin_starts(node:
     assert node.mps.pid(daemon) is not None  # the recorded one keeps serving its claim
 
 
+async def test_a_daemon_the_other_instance_starts_meanwhile_is_left_running(node: Node) -> None:
+    # A rolling update: the old instance prepares an MPS claim after the new one has read the
+    # checkpoint and before it lists the daemons. That daemon is the old instance's, not a crash's.
+    old = await node.started()
+    ref = new_ref()
+    node.allocate(ref, "gpu-0", configs=[mps()])
+    new = node.preparer()
+    daemons = new._sharing._mps
+    assert daemons is not None
+    real_running = daemons.running
+
+    async def running_after_the_old_instance_prepared() -> set[str]:
+        await prepared(old, ref)
+        return await real_running()
+
+    daemons.running = running_after_the_old_instance_prepared  # type: ignore[method-assign]
+    await new.start()
+
+    daemon = node.on_disk().claims[ref.uid].sharing.mps_daemon  # type: ignore[union-attr]
+    assert daemon is not None
+    assert node.mps.pid(daemon) is not None
+    assert (await new.unprepare([ref]))[ref.uid] is None
+    assert_nothing_left_for(node, ref.uid)
+
+
 async def test_a_lost_checkpoint_still_stops_the_claims_daemon_at_unprepare(node: Node) -> None:
     preparer = await node.started()
     ref = new_ref()
