@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from e2e.cluster import ClusterInfo
-from e2e.reliability import diskfull, suite
+from e2e.reliability import diskfull, rolling, suite
 from e2e.reliability.env import Env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.reliability]
@@ -58,4 +58,6 @@ def test_a_full_disk_fails_claims_clearly_damages_nothing_and_recovers(env: Env)
 def test_two_plugin_instances_lose_no_update_and_never_share_a_device(env: Env) -> None:
     figures = suite.run(env, suite.CI, SEED, only=("rolling",))
     assert figures["rolling.rounds"] == suite.CI.rolling_rounds
+    assert figures["rolling.starts_during_prepares"] == rolling.SURGE_STARTS
+    assert figures["rolling.calls_during_starts"] >= 2 * 7 * rolling.SURGE_STARTS  # a pass per start
     check(figures, "rolling")

@@ -8,6 +8,11 @@ round are allocated the *same* device and sent to different instances -- somethi
 never does, and exactly what the checkpoint's cross-instance conflict rules must refuse -- and two
 get MIG devices at different placements of one GPU, which both instances must create side by side.
 
+Then the surge itself, a few times: a third instance starts (and repairs the shared checkpoint)
+while the old one prepares and unprepares claim after claim, as the kubelet keeps calling it until
+the new plugin registers. None of those calls may fail: a prepare half-way (its spec written,
+its record not yet) is the old instance's, not a crash's for the new one to recover.
+
 Figures: lost updates (a claim answered prepared without its record or spec, or answered
 unprepared with either left), devices held twice (both claims of a conflicting pair prepared, or
 one device in two records), and claims that failed although nothing conflicted.
@@ -32,6 +37,8 @@ class RollingFigures:
     lost_updates: int = 0
     double_allocations: int = 0
     unexpected_failures: int = 0
+    starts_during_prepares: int = 0
+    calls_during_starts: int = 0
     problems: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
@@ -41,6 +48,8 @@ class RollingFigures:
             "rolling.lost_updates": self.lost_updates,
             "rolling.double_allocations": self.double_allocations,
             "rolling.unexpected_failures": self.unexpected_failures,
+            "rolling.starts_during_prepares": self.starts_during_prepares,
+            "rolling.calls_during_starts": self.calls_during_starts,
             "rolling.problems": self.problems[:20],
         }
 
@@ -103,7 +112,41 @@ async def run(env: Env, rounds: int, seed: int) -> RollingFigures:
                 figures.lost_updates += len(left) + len(state.mig_devices)
                 figures.problems.append(f"{label}: after unprepare, left {sorted(left)} {state.mig_devices}")
             figures.rounds += 1
+        for number in range(min(rounds, SURGE_STARTS)):
+            await _start_during_prepares(node, old, f"surge {number}", figures)
     finally:
         await old.stop()
         await new.stop()
     return figures
+
+
+SURGE_STARTS = 3
+
+
+async def _start_during_prepares(node: SimNode, old: Plugin, label: str, figures: RollingFigures) -> None:
+    """Start another instance while ``old`` prepares and unprepares claims one after another."""
+    claims = await asyncio.to_thread(_claims, node, [f"gpu-{g}" for g in range(7)])
+    newer = node.plugin(pod_uid=f"newer-pod-{figures.starts_during_prepares}")
+    starting = asyncio.create_task(newer.start())
+    try:
+        turn = 0
+        while not starting.done() or turn < len(claims):  # and at least one pass over the claims
+            claim = claims[turn % len(claims)]
+            turn += 1
+            for call in (old.prepare, old.unprepare):
+                result = await call([claim])
+                figures.calls_during_starts += 1
+                if not result.ok(claim.uid):
+                    figures.unexpected_failures += 1
+                    figures.problems.append(f"{label}: {call.__name__} of {claim.name} failed: {result}")
+                    break
+        await starting
+        figures.starts_during_prepares += 1
+    finally:
+        if not starting.done():
+            starting.cancel()
+        await newer.stop()
+    state = NodeState.read(old.paths, node.name)
+    if left := state.specs | set(state.records):
+        figures.lost_updates += len(left)
+        figures.problems.append(f"{label}: after every unprepare, left {sorted(left)}")
