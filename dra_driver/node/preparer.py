@@ -48,7 +48,9 @@ wake-up after it. The checkpoint's commits run on the event loop too, for the sa
 
 Across plugin instances (rolling update) the journal's file lock and conflict rules
 keep devices exclusive. Two instances preparing the *same* claim at the same moment
-are not coordinated beyond that: the kubelet sends a claim to one plugin at a time.
+are not coordinated beyond that: the kubelet sends a claim to one plugin at a time. A
+claim the other instance completed after this one read the checkpoint (it stopped before
+it answered, and the kubelet asks again here) is answered from that instance's record.
 """
 
 from __future__ import annotations
@@ -346,10 +348,16 @@ class NodePreparer:
                     sharing=await self._sharing.record(ref.uid, plan, sharing, existing, self._journal.state),
                 )
                 reserve = Reserve(ref.uid, record, replaces=existing.attempt if existing else None)
-                if in_steps:
-                    await self._journal.commit(reserve)
-                else:
-                    await self._write_spec_and_commit(ref.uid, plan, reserve)
+                try:
+                    if in_steps:
+                        await self._journal.commit(reserve)
+                    else:
+                        await self._write_spec_and_commit(ref.uid, plan, reserve)
+                except MutationRejected:
+                    if (theirs := self._completed_elsewhere(ref, existing)) is None:
+                        raise
+                    log.info("claim already prepared by another plugin instance")
+                    return _prepared_devices(theirs)
             if existing is not None:
                 log.info("replaced an earlier record of the claim", phase=existing.phase)
                 await self._destroy_replaced(existing, record)
@@ -357,6 +365,20 @@ class NodePreparer:
             completed = await self._complete(ref.uid, plan, record, sharing) if in_steps else record
             log.info("claim prepared", devices=[d.device for d in completed.devices])
             return _prepared_devices(completed)
+
+    def _completed_elsewhere(self, ref: ClaimRef, seen: ClaimRecord | None) -> ClaimRecord | None:
+        """The claim's record if another instance completed it since ``seen`` was read, else None.
+
+        The refused commit read the checkpoint afresh: the other instance of a rolling update may
+        have prepared the claim after this one started, then stopped before it answered the
+        kubelet, which now asks here. That prepare stands, as a repeated one would on its instance.
+        """
+        record = self._journal.state.claims.get(ref.uid)
+        if record is None or record.phase != "PrepareCompleted" or (seen and record.attempt == seen.attempt):
+            return None
+        if (record.namespace, record.name) != (ref.namespace, ref.name):
+            return None
+        return record if self._specs.path_for(ref.uid).exists() else None
 
     async def _write_spec_and_commit(self, uid: str, plan: ClaimPlan, reserve: Reserve) -> None:
         """The one-step prepare: the spec, then the completed record; no spec stays if it is refused."""

@@ -460,6 +460,26 @@ async def test_an_instance_starting_during_a_prepare_leaves_that_prepare_alone(
     assert_nothing_left_for(node, ref.uid)
 
 
+async def test_a_claim_the_other_instance_prepared_since_we_started_is_answered_from_its_record(
+    node: Node,
+) -> None:
+    # The old instance of a rolling update prepared the claim but stopped before it answered; the
+    # kubelet asks the new instance, whose state predates that prepare.
+    old, new = await node.started(), await node.started()
+    ref = new_ref("answered-late")
+    node.allocate(ref, "gpu-4")
+    first = devices_of((await old.prepare([ref]))[ref.uid])
+    spec = node.specs.path_for(ref.uid).read_text()
+
+    again = devices_of((await new.prepare([ref]))[ref.uid])
+
+    assert again == first
+    assert node.on_disk().claims[ref.uid].attempt == old._journal.state.claims[ref.uid].attempt
+    assert node.specs.path_for(ref.uid).read_text() == spec
+    assert await new.unprepare([ref]) == {ref.uid: None}
+    assert_nothing_left_for(node, ref.uid)
+
+
 # --- restarts: leftovers, reboots, damaged checkpoints ---------------------------------------------------
 
 
