@@ -149,6 +149,13 @@ def _parser() -> argparse.ArgumentParser:
     inventory.add_argument(
         "--list-profiles", action="store_true", help="list the simulated node profiles and exit"
     )
+    inventory.add_argument(
+        "--kubernetes-version",
+        metavar="RELEASE",
+        default="",
+        help="lay the slices out as this release's API server takes them, as the daemon does after "
+        "reading /version (e.g. v1.34: counter sets beside their devices); default: the newest layout",
+    )
     inventory.set_defaults(run=_inventory)
 
     webhook = commands.add_parser(
@@ -259,6 +266,7 @@ def _inventory(args: argparse.Namespace) -> int:
     from dra_driver.app import desired_slices
     from dra_driver.devices.backends import open_backend
     from dra_driver.resources.pool import PoolOwner, plan_pool
+    from dra_driver.resources.server_rules import NEWEST, rules_of_release
 
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `dra-driver inventory | head` ends quietly
     if args.list_profiles:
@@ -267,6 +275,10 @@ def _inventory(args: argparse.Namespace) -> int:
         return 0
     settings = settings_from(args)
     configure(settings.log_format, settings.log_level)
+    try:
+        rules = rules_of_release(args.kubernetes_version) if args.kubernetes_version else NEWEST
+    except ValueError as error:
+        raise StartupError(f"invalid --kubernetes-version: {error}", exit_code=EXIT_USAGE) from None
     node = settings.node_name or "node-1"
     with tempfile.TemporaryDirectory(prefix="dra-driver-inventory-") as scratch:
         # Offline, a simulated node starts fresh unless --data-dir points at a daemon's state.
@@ -284,14 +296,15 @@ def _inventory(args: argparse.Namespace) -> int:
             backend.close()
     check_mig_partitions(settings, inventory)
     owner = PoolOwner(driver=settings.driver_name, node_name=node)
-    plan = plan_pool(desired_slices(settings, inventory), [], owner=owner)
+    plan = plan_pool(desired_slices(settings, inventory, rules=rules), [], owner=owner)
     source = f"simulated {settings.simulate}" if settings.simulate else "NVML"
     cuda = ".".join(map(str, inventory.cuda_driver_version))
     versions = f"driver {inventory.driver_version}, CUDA {cuda}"
     print(f"# node {node}: {len(inventory.gpus)} GPUs ({source}), {versions}")
     for gpu in sorted(inventory.gpus, key=lambda g: g.minor):
         print(f"#   {_gpu_line(gpu)}")
-    print(f"# {len(plan.apply)} ResourceSlices follow (kubectl apply -f accepts them)")
+    layout = f"Kubernetes {args.kubernetes_version}" if args.kubernetes_version else "the newest Kubernetes"
+    print(f"# {len(plan.apply)} ResourceSlices follow, laid out for {layout} (kubectl apply -f accepts them)")
     yaml.dump_all(list(plan.apply), sys.stdout, Dumper=_PlainDumper, sort_keys=False)
     return 0
 

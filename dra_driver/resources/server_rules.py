@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 
 _VERSION = re.compile(r"v?(\d+)\.(\d+)")
+_RELEASE = re.compile(r"v?1\.\d+(\.\d+)?(-[0-9A-Za-z.]+)?")  # what a user names: v1.34, 1.35.2
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,13 @@ class ServerRules:
 
 
 NEWEST = ServerRules()
+
+
+def rules_of_release(release: str) -> ServerRules:
+    """The rules of a release as a user names it ("v1.34", "1.35.2"); ValueError for anything else."""
+    if not _RELEASE.fullmatch(release.strip()):
+        raise ValueError(f"{release!r} is not a Kubernetes release such as v1.34 or 1.35.2")
+    return rules_for(release.strip())
 
 
 def rules_for(git_version: str) -> ServerRules:

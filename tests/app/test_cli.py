@@ -6,6 +6,7 @@ import gc
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -43,6 +44,31 @@ def test_inventory_prints_the_gpus_and_the_slices_it_would_publish() -> None:
     # Written out in full, as kubectl would show it: no YAML anchors or aliases.
     assert "&id" not in result.stdout
     assert "*id" not in result.stdout
+
+
+def test_inventory_lays_the_slices_out_for_the_release_it_is_given() -> None:
+    def slices(*args: str) -> list[dict[str, Any]]:
+        result = dra_driver("inventory", "--simulate", "dgx-h100", *args)
+        assert result.returncode == 0, result.stderr
+        return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+    def devices(of: list[dict[str, Any]]) -> list[str]:
+        return sorted(d["name"] for s in of for d in s["spec"].get("devices", []))
+
+    newest, old = slices(), slices("--kubernetes-version", "v1.34")
+    # From 1.35 counter sets have slices of their own; 1.34 keeps each beside the devices using it.
+    assert not [s for s in newest if "sharedCounters" in s["spec"] and "devices" in s["spec"]]
+    beside = [s for s in old if "sharedCounters" in s["spec"]]
+    assert len(beside) == 8
+    assert all(s["spec"].get("devices") for s in beside)
+    assert devices(old) == devices(newest)
+    assert slices("--kubernetes-version", "1.37.2") == newest
+
+    bad = dra_driver("inventory", "--simulate", "dgx-h100", "--kubernetes-version", "34")
+    assert bad.returncode == 2
+    assert bad.stderr.count("\n") == 1
+    assert "--kubernetes-version" in bad.stderr
+    assert "'34' is not a Kubernetes release" in bad.stderr
 
 
 def test_inventory_with_consumable_capacity_shows_shareable_gpus() -> None:
