@@ -497,7 +497,7 @@ class NodePreparer:
             state = await self._journal.refresh()
             record = state.claims.get(ref.uid)
             if record is None or record.phase == "Recovered":
-                await self._sharing.stop_daemons_of(ref.uid)  # the record of its daemon was lost
+                await self._sharing.stop_daemons_of(ref.uid, state)  # the record of its daemons was lost
             if record is not None and record.sharing is not None:
                 record = await self._undo_sharing(ref.uid)
             if record is not None:

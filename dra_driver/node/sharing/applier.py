@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import structlog
 
@@ -45,7 +45,9 @@ from dra_driver.node.sharing.policy import (
     mps_daemon_id,
     mps_spec,
     previous_policy,
+    shared_daemon_id,
 )
+from dra_driver.resources.naming import gpu_device_name
 
 log = structlog.get_logger(__name__)
 
@@ -181,6 +183,7 @@ class SharingApplier:
             return
         state = await fresh_state()
         recorded = {r.sharing.mps_daemon for r in state.claims.values() if r.sharing and r.sharing.mps_daemon}
+        recorded |= await self._shared_daemons_of_recovered(state.claims.values())
         for daemon in sorted(running - recorded):
             if any(daemon.startswith(f"{uid}-") for uid in state.claims):
                 continue
@@ -190,16 +193,38 @@ class SharingApplier:
             except MpsDaemonError as error:
                 log.error("mps_daemon_not_stopped", daemon=daemon, error=str(error))
 
-    async def stop_daemons_of(self, uid: str) -> None:
-        """Stop every daemon named after claim ``uid`` (its record was lost with the checkpoint)."""
+    async def stop_daemons_of(self, uid: str, state: Checkpoint) -> None:
+        """Stop the daemons of claim ``uid``, whose record of them was lost with the checkpoint.
+
+        Those are the daemons named after the claim, and the shared daemon of each GPU it holds a
+        share of, unless another claim of ``state`` may still be a client of that one.
+        """
         if self._mps is None:
             return
+        record = state.claims.get(uid)
+        others = [r for u, r in state.claims.items() if u != uid]
+        shared = await self._shared_daemons_of_recovered([record] if record else [])
+        if shared:
+            shared -= await self._shared_daemons_of_recovered(others)
+            shared -= {r.sharing.mps_daemon for r in others if r.sharing and r.sharing.mps_daemon}
         try:
             for daemon in sorted(await self._mps.running()):
-                if daemon.startswith(f"{uid}-"):
+                if daemon.startswith(f"{uid}-") or daemon in shared:
                     await self._mps.stop(daemon)
         except MpsDaemonError as error:
             raise SharingError(str(error)) from None
+
+    async def _shared_daemons_of_recovered(self, records: Iterable[ClaimRecord]) -> set[str]:
+        """The shared daemons of the GPUs that claims recovered from their CDI specs hold shares of.
+
+        Such a claim's record lost what it knew of its daemon; a share of a GPU is a client of that
+        GPU's shared daemon, so the daemon counts as used by it.
+        """
+        shares = {d.device for r in records if r.phase == "Recovered" for d in r.devices if d.share_id}
+        if not shares:
+            return set()
+        inventory = await asyncio.to_thread(self._backend.inventory)
+        return {shared_daemon_id(g.uuid) for g in inventory.gpus if gpu_device_name(g.minor) in shares}
 
     def _daemon_lock(self, daemon_id: str) -> asyncio.Lock:
         # Kept for the plugin's life: one per daemon id, and ids are per claim or per shared GPU.

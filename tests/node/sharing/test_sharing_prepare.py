@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import uuid
 from typing import Any
 
 import pytest
@@ -389,5 +390,29 @@ async def test_a_lost_checkpoint_still_stops_the_claims_daemon_at_unprepare(node
     assert node.on_disk().claims[ref.uid].phase == "Recovered"
     assert node.mps.pid(daemon) is not None  # its claim may still be running
     assert (await restarted.unprepare([ref]))[ref.uid] is None
+    assert node.mps.pid(daemon) is None
+    assert not node.mps.paths(daemon).root.exists()
+
+
+async def test_a_gpus_shared_daemon_outlives_a_lost_checkpoint_until_its_last_share_is_unprepared(
+    node: Node,
+) -> None:
+    preparer = await node.started(consumable=True)
+    first, second = new_ref("first"), new_ref("second")
+    for ref in (first, second):
+        node.allocate(ref, "gpu-1", share_id=str(uuid.uuid4()), consumed={"memory": "20Gi"})
+    await preparer.prepare([first, second])
+    daemon = node.on_disk().claims[first.uid].sharing.mps_daemon  # type: ignore[union-attr]
+    assert daemon is not None
+    assert daemon.startswith("shared-")
+    for path in node.checkpoint_path.parent.glob("checkpoint.json*"):
+        path.unlink()  # the node's disk lost the checkpoint; the CDI specs survive
+
+    restarted = await node.started(consumable=True)
+    assert {record.phase for record in node.on_disk().claims.values()} == {"Recovered"}
+    assert node.mps.pid(daemon) is not None  # both shares' containers may still be its clients
+    assert (await restarted.unprepare([first]))[first.uid] is None
+    assert node.mps.pid(daemon) is not None  # the second share's still may
+    assert (await restarted.unprepare([second]))[second.uid] is None
     assert node.mps.pid(daemon) is None
     assert not node.mps.paths(daemon).root.exists()
