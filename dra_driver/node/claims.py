@@ -12,11 +12,11 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from decimal import Decimal
 from enum import Enum
 from typing import Any
 
 from dra_driver.node.types import ClaimRef
+from dra_driver.resources.quantity import parse_quantity
 
 # Kubernetes name rules (apimachinery validation): a namespace is a DNS label, a
 # ResourceClaim name a DNS subdomain. Always fullmatch(): with match(), "$" also matches
@@ -163,16 +163,6 @@ def _result(entry: Mapping[str, Any], pool: str) -> AllocationResult:
 
 # Share ids are UIDs the scheduler generates; they become part of CDI device names.
 _SHARE_ID = re.compile(r"[a-z0-9]([-a-z0-9]{0,62}[a-z0-9])?")
-_QUANTITY = re.compile(
-    r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][-+]?[0-9]{1,3})?"
-)
-_SUFFIXES = {
-    "": Decimal(1), "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
-    "k": Decimal(10**3), "M": Decimal(10**6), "G": Decimal(10**9), "T": Decimal(10**12),
-    "P": Decimal(10**15), "E": Decimal(10**18),
-    "Ki": Decimal(2**10), "Mi": Decimal(2**20), "Gi": Decimal(2**30), "Ti": Decimal(2**40),
-    "Pi": Decimal(2**50), "Ei": Decimal(2**60),
-}  # fmt: skip
 
 
 def _whole_quantity(value: object, what: str) -> int:
@@ -181,15 +171,13 @@ def _whole_quantity(value: object, what: str) -> int:
     Rounded up as the scheduler's ``Quantity.Value()`` does, so that a share is never limited
     to less than it was given.
     """
-    match = _QUANTITY.fullmatch(value) if isinstance(value, str) else None
-    if match is None:
-        raise ClaimRejected(f"{what}: {value!r} is not a non-negative quantity such as 10Gi")
-    suffix = match[2] or ""
     try:
-        scale = Decimal(10) ** int(suffix[1:]) if suffix[:1] in ("e", "E") else _SUFFIXES[suffix]
-        return math.ceil(Decimal(match[1]) * scale)
-    except (ArithmeticError, ValueError):
-        raise ClaimRejected(f"{what}: {value!r} is out of range") from None
+        quantity = parse_quantity(value) if isinstance(value, str) else None
+    except ValueError:
+        quantity = None
+    if quantity is None or quantity < 0:
+        raise ClaimRejected(f"{what}: {value!r} is not a non-negative quantity such as 10Gi")
+    return math.ceil(quantity)
 
 
 def _opaque_config(index: int, entry: object, driver: str) -> OpaqueConfig | None:
