@@ -34,8 +34,8 @@ def settle_collector() -> None:
     """Collect once, then keep every object alive now out of later collections; call after start-up."""
     gc.collect()
     gc.freeze()
-    _, older, oldest = gc.get_threshold()
-    gc.set_threshold(max(GEN0_THRESHOLD, gc.get_threshold()[0]), older, oldest)
+    young, older, oldest = gc.get_threshold()
+    gc.set_threshold(max(GEN0_THRESHOLD, young), older, oldest)
 
 
 def _libc_malloc_trim() -> Callable[[], object] | None:
