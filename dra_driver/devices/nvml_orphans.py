@@ -119,5 +119,7 @@ class OrphanRecord:
             self._path.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps({"bootId": self._boot, "instances": instances}) + "\n")
             tmp.replace(self._path)
-        except OSError as e:  # the in-memory record still retries for the life of the process
+        except OSError as e:
             log.error("orphan_record_failed", path=str(self._path), error=str(e))
+            # The file no longer says what is true: the in-memory record is, for the life of the process.
+            self._path = None
