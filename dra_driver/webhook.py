@@ -22,7 +22,7 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from dra_driver.computedomain.kube import list_and_watch
+from dra_driver.informer import list_and_watch
 from dra_driver.node.admission import review
 from dra_driver.resources.capacity_fit import OfferIndex
 from dra_driver.rest import Json, JsonApi

@@ -46,7 +46,6 @@ from dra_driver.computedomain.api import (
     Names,
     parse_compute_domain,
 )
-from dra_driver.computedomain.kube import list_and_watch
 from dra_driver.computedomain.objects import (
     channel_template,
     choose_clique,
@@ -62,6 +61,7 @@ from dra_driver.computedomain.objects import (
     pruned_daemons,
 )
 from dra_driver.computedomain.workqueue import WorkQueue
+from dra_driver.informer import list_and_watch
 from dra_driver.kube import ApiClient
 from dra_driver.rest import ApiError, Json, JsonApi
 

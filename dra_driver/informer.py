@@ -1,4 +1,4 @@
-"""A list-then-watch loop for the ComputeDomain components, like an informer (on :class:`JsonApi`)."""
+"""A list-then-watch loop on :class:`JsonApi`, like an informer (ComputeDomain controller, webhook)."""
 
 from __future__ import annotations
 
