@@ -491,13 +491,19 @@ def test_failed_interrupted_or_killed_test_run_leaves_no_processes(
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,  # the signal goes to this session only, as Ctrl-C goes to a terminal's
+        preexec_fn=_ctrl_c_as_at_a_terminal,
     )
     try:
         _wait_for_line(session, "CLUSTER-READY", timeout_seconds=300)
         info = ClusterInfo.from_json(info_file.read_text())
         if stop_signal is not None:
             session.send_signal(stop_signal)
-        output, _ = session.communicate(timeout=60)
+        try:
+            output, _ = session.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            session.kill()
+            output, _ = session.communicate()
+            raise AssertionError(f"the inner run had not ended 60 s after {stop_signal}:\n{output}") from None
         assert session.returncode == expected_exit, output
     finally:
         if session.poll() is None:
@@ -513,6 +519,16 @@ def test_failed_interrupted_or_killed_test_run_leaves_no_processes(
 
 
 # --- helpers ------------------------------------------------------------------------------------------
+
+
+def _ctrl_c_as_at_a_terminal() -> None:
+    """Gives the inner run SIGINT's default disposition, which a terminal's foreground job has.
+
+    A run started in the background by a non-interactive shell (`make test &`, most CI runners)
+    inherits SIGINT as *ignored*, and Python then installs no KeyboardInterrupt handler: the inner
+    run slept through the signal until the timeout killed it, which looked like a slow teardown.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _tls(cluster: ClusterInfo) -> ssl.SSLContext:
