@@ -757,16 +757,24 @@ def machine() -> JsonObject:
     }
 
 
-def interrupt_on_sigterm() -> None:
+def interruptible() -> None:
+    """SIGTERM and SIGINT raise KeyboardInterrupt in the main thread, which stops and cleans up.
+
+    SIGINT is set explicitly: a run started in the background by a non-interactive shell
+    (`make bench &`, a CI runner) inherits it as ignored, and then the memory guard's SIGINT would
+    not stop the run.
+    """
+
     def handler(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     options = parse_args(sys.argv[1:] if argv is None else argv)
-    interrupt_on_sigterm()
+    interruptible()
     try:
         report = run(options)
     except (ScaleError, DaemonError, TimeoutError) as error:
