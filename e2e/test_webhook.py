@@ -71,23 +71,30 @@ def create_when_enforced(rest: RestClient, namespace: str, obj: JsonObject) -> A
     return None
 
 
-def test_a_misspelt_config_is_refused_at_creation_with_prepares_message(
-    rest: RestClient, checked_namespace: str
-) -> None:
-    misspelt = {
-        "apiVersion": "resource.dra-driver.dev/v1alpha1",
-        "kind": "GpuConfig",
-        "sharing": {"strategy": "TimeSlicing", "timeslicing": {"interval": "Long"}},
-    }
+MISSPELT = {
+    "apiVersion": "resource.dra-driver.dev/v1alpha1",
+    "kind": "GpuConfig",
+    "sharing": {"strategy": "TimeSlicing", "timeslicing": {"interval": "Long"}},
+}
+
+
+def refusal_of_a_misspelt_config(rest: RestClient, namespace: str) -> ApiError:
+    """Waits until the API server calls the webhook: until then a misspelt config is accepted."""
 
     def refused() -> ApiError | None:
         name = f"bad-{uuid.uuid4().hex[:6]}"
-        error = create_when_enforced(rest, checked_namespace, claim(name, misspelt))
+        error = create_when_enforced(rest, namespace, claim(name, MISSPELT))
         if error is None:
-            rest.delete(f"{collection('ResourceClaim', checked_namespace)}/{name}")
+            rest.delete(f"{collection('ResourceClaim', namespace)}/{name}")
         return error
 
-    error = wait_until(refused, timeout_seconds=30, waiting_for="the webhook to refuse the claim")
+    return wait_until(refused, timeout_seconds=30, waiting_for="the webhook to refuse the claim")
+
+
+def test_a_misspelt_config_is_refused_at_creation_with_prepares_message(
+    rest: RestClient, checked_namespace: str
+) -> None:
+    error = refusal_of_a_misspelt_config(rest, checked_namespace)
     assert error.status == 422
     assert (
         f"opaque config for {DRIVER}: config[0] (FromClaim, all requests): sharing.timeslicing: "
@@ -96,6 +103,8 @@ def test_a_misspelt_config_is_refused_at_creation_with_prepares_message(
 
 
 def test_valid_configs_of_both_apis_are_accepted(rest: RestClient, checked_namespace: str) -> None:
+    # Before the API server calls the webhook every config is accepted: prove it is called first.
+    refusal_of_a_misspelt_config(rest, checked_namespace)
     ours = {
         "apiVersion": "resource.dra-driver.dev/v1alpha1",
         "kind": "GpuConfig",
