@@ -9,6 +9,7 @@ procfs (--procfs-root), and all of it undone when the pod goes."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,6 +102,32 @@ def test_an_xid_from_nvml_taints_the_gpu_until_the_plugin_restarts(rest: RestCli
         timeout_seconds=TIMEOUT_S,
         waiting_for="gpu-2 untainted after the restart",
     )
+
+
+# What README's "within about a second" rests on: the taint is visible in the API server a fraction of
+# a second after NVML reports the Xid (docs/performance.md has the figures, measured with this loop). The
+# bound is several times the slowest seen on two cores at load 10, to hold on a loaded machine.
+XID_TO_TAINT_BOUND_S = 5.0
+
+
+def test_every_gpus_xid_taint_is_visible_within_seconds(rest: RestClient, node: GpuNode) -> None:
+    latencies = {}
+    for minor in range(8):
+        reported = time.monotonic()
+        hardware(node, f"xid {minor} 48")
+        while not any(
+            t["key"] == XID_KEY for t in published_devices(rest, node.name)[f"gpu-{minor}"].get("taints", [])
+        ):
+            assert time.monotonic() - reported < TIMEOUT_S, f"gpu-{minor} not tainted"
+            time.sleep(0.02)
+        latencies[f"gpu-{minor}"] = round(time.monotonic() - reported, 2)
+    node.driver.restart()  # NVML sends no recovery event: an Xid lasts until the plugin restarts
+    wait_until(
+        lambda: not any(d.get("taints") for d in published_devices(rest, node.name).values()),
+        timeout_seconds=TIMEOUT_S,
+        waiting_for="the GPUs untainted after the restart",
+    )
+    assert max(latencies.values()) < XID_TO_TAINT_BOUND_S, latencies
 
 
 def test_a_gpu_nvml_loses_is_tainted_noexecute_and_untainted_once_reset(
