@@ -3,17 +3,17 @@
 We read the raw JSON rather than the client's pydantic models: it is faster, and a
 model silently drops fields it does not know, which a newer API server may send.
 
-resource.k8s.io/v1 is GA since Kubernetes 1.34; older servers serve only v1beta2 or
-v1beta1, whose ResourceClaim status has the same shape. A 404 means either "no such
-claim" or "no such API version"; the API server tells them apart in the Status body
-(``details.kind`` names the resource only when the object is missing), and only the
-second moves on to the next version. The first version that answers is remembered.
+Claims are read at resource.k8s.io/v1, GA since Kubernetes 1.34, the oldest release the
+driver supports (docs/kubernetes-versions.md). A 404 means either "no such claim" or, from
+an older server, "no such API version"; the API server tells them apart in the Status body
+(``details.kind`` names the resource only when the object is missing): the first is an
+answer, the second an error that says which Kubernetes the driver needs.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # only for the annotations: dra_driver.kube imports the client's machinery
@@ -36,43 +36,36 @@ class ClaimFetcher(Protocol):
         ...
 
 
-SERVED_VERSIONS = ("v1", "v1beta2", "v1beta1")  # newest first
+API_VERSION = "v1"
 
 
 class ApiServerClaimFetcher:
-    """:class:`ClaimFetcher` backed by ``kubernetes.aio``; the caller owns (and closes) ``api_client``.
+    """:class:`ClaimFetcher` backed by ``kubernetes.aio``; the caller owns (and closes) ``api_client``."""
 
-    ``versions`` are the resource.k8s.io versions to try, in order.
-    """
-
-    def __init__(self, api_client: ApiClient, versions: Sequence[str] = SERVED_VERSIONS) -> None:
+    def __init__(self, api_client: ApiClient) -> None:
         self._api = api_client
-        self._versions = list(versions)
 
     async def get(self, namespace: str, name: str) -> Mapping[str, Any] | None:
-        for position, version in enumerate(self._versions):
-            what = f"GET resource.k8s.io/{version} ResourceClaim {namespace}/{name}"
-            try:
-                status, body = await self._get(version, namespace, name)
-            except Exception as error:  # aiohttp and the client raise many types; all mean "no answer"
-                raise ClaimFetchError(f"{what}: {error}") from error
-            if status == 200:
-                if position:  # remember the served version; later claims skip the 404s
-                    self._versions = self._versions[position:]
-                return _decode(body, what)
-            if status == 404 and names_missing_claim(body):
-                return None
-            if status != 404:
-                raise ClaimFetchError(f"{what}: HTTP {status}: {_status_message(body)}")
-        raise ClaimFetchError(
-            f"the API server serves none of resource.k8s.io {', '.join(self._versions)}: "
-            "Dynamic Resource Allocation needs Kubernetes 1.32 or newer"
-        )
+        what = f"GET resource.k8s.io/{API_VERSION} ResourceClaim {namespace}/{name}"
+        try:
+            status, body = await self._get(namespace, name)
+        except Exception as error:  # aiohttp and the client raise many types; all mean "no answer"
+            raise ClaimFetchError(f"{what}: {error}") from error
+        if status == 200:
+            return _decode(body, what)
+        if status == 404 and names_missing_claim(body):
+            return None
+        if status == 404:
+            raise ClaimFetchError(
+                f"the API server does not serve resource.k8s.io/{API_VERSION}: "
+                "Dynamic Resource Allocation with this driver needs Kubernetes 1.34 or newer"
+            )
+        raise ClaimFetchError(f"{what}: HTTP {status}: {_status_message(body)}")
 
-    async def _get(self, version: str, namespace: str, name: str) -> tuple[int, bytes]:
+    async def _get(self, namespace: str, name: str) -> tuple[int, bytes]:
         request = await self._api.param_serialize(
             method="GET",
-            resource_path=f"/apis/resource.k8s.io/{version}/namespaces/{{namespace}}/resourceclaims/{{name}}",
+            resource_path=f"/apis/resource.k8s.io/{API_VERSION}/namespaces/{{namespace}}/resourceclaims/{{name}}",
             path_params={"namespace": namespace, "name": name},
             header_params={"Accept": "application/json"},
             auth_settings=["BearerToken"],

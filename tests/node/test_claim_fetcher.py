@@ -1,4 +1,5 @@
-"""Telling "no such claim" from "no such API version" in a 404.
+"""Reading a claim at resource.k8s.io/v1, and telling "no such claim" from "no such API version"
+in a 404.
 
 The bodies are what kube-apiserver v1.37.2 answered (recorded with the project's control
 plane): for a missing claim under a served version, and for a version it does not serve.
@@ -7,9 +8,14 @@ The fetcher against a live API server is exercised by the cluster tests.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, cast
+
 import pytest
 
-from dra_driver.node.claim_fetcher import names_missing_claim
+from dra_driver.node.claim_fetcher import ApiServerClaimFetcher, ClaimFetchError, names_missing_claim
+
+if TYPE_CHECKING:
+    from kubernetes.aio.client import ApiClient
 
 MISSING_CLAIM = (
     b'{"kind":"Status","apiVersion":"v1","metadata":{},"status":"Failure",'
@@ -30,3 +36,56 @@ def test_missing_claim_is_recognized() -> None:
 @pytest.mark.parametrize("body", [UNSERVED_VERSION, b"404 page not found\n", b"", b"[]", b'{"details": []}'])
 def test_unserved_version_is_not_a_missing_claim(body: bytes) -> None:
     assert not names_missing_claim(body)
+
+
+class _Response:
+    def __init__(self, status: int, body: bytes) -> None:
+        self.status = status
+        self._body = body
+
+    async def read(self) -> bytes:
+        return self._body
+
+
+class _ApiClient:
+    """Answers every GET with one status and body, and records the paths asked for."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        self.paths: list[str] = []
+        self._response = _Response(status, body)
+
+    async def param_serialize(
+        self, *, resource_path: str, path_params: dict[str, str], **_: Any
+    ) -> tuple[str]:
+        self.paths.append(resource_path.format(**path_params))
+        return (resource_path,)
+
+    async def call_api(self, *_: Any, **__: Any) -> _Response:
+        return self._response
+
+
+def _fetcher(status: int, body: bytes) -> tuple[ApiServerClaimFetcher, _ApiClient]:
+    api = _ApiClient(status, body)
+    return ApiServerClaimFetcher(cast("ApiClient", api)), api
+
+
+async def test_a_claim_is_read_at_resource_v1_once() -> None:
+    fetcher, api = _fetcher(200, b'{"metadata": {"name": "c"}}')
+    assert await fetcher.get("ns", "c") == {"metadata": {"name": "c"}}
+    assert api.paths == ["/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims/c"]
+
+
+async def test_a_missing_claim_is_none() -> None:
+    fetcher, api = _fetcher(404, MISSING_CLAIM)
+    assert await fetcher.get("ns", "nope") is None
+    assert len(api.paths) == 1
+
+
+@pytest.mark.parametrize("body", [UNSERVED_VERSION, b"404 page not found\n"])
+async def test_a_server_without_resource_v1_is_an_error_naming_the_release_needed(body: bytes) -> None:
+    fetcher, api = _fetcher(404, body)
+    with pytest.raises(
+        ClaimFetchError, match=r"does not serve resource.k8s.io/v1: .* Kubernetes 1.34 or newer"
+    ):
+        await fetcher.get("ns", "c")
+    assert len(api.paths) == 1  # no older version is tried: no supported release lacks v1
