@@ -537,7 +537,7 @@ async def _serve(
         )
         # The collector was off while `dra-driver` imported (dra_driver.__main__): on again now. A
         # moment later, off the path of the kubelet's first (held) calls, start-up's objects are
-        # frozen (the collection takes ~25 ms) and what start-up freed goes back to the kernel.
+        # frozen (a full collection: docs/performance.md) and what start-up freed goes back to the kernel.
         gc.enable()
 
         def settle() -> None:

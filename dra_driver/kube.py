@@ -5,8 +5,9 @@ the Node), so of the official client it needs only what turns a kubeconfig or th
 in-cluster service account into authenticated requests: ``Configuration``, ``ApiClient``
 and the config loaders, with their exec credential plugins, token refresh, proxies and
 CA handling. Importing the package the usual way also imports every generated API and
-model class, of the synchronous client and of the asyncio one: about 30 MiB of memory
-and half a second of start-up, for classes the driver never touches.
+model class, of the synchronous client and of the asyncio one: tens of MiB of memory and
+a good part of start-up (docs/performance.md, "Figures behind the code's comments"), for
+classes the driver never touches.
 
 So this module imports just those modules of the installed package, behind placeholders
 for the packages around them, whose ``__init__`` would import all the rest. Nothing is

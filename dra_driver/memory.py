@@ -10,9 +10,9 @@ node has been idle for a moment after claim operations, never while one is runni
 Only glibc has ``malloc_trim``; elsewhere (musl) this does nothing.
 
 The cyclic garbage collector gets the same care (:func:`settle_collector`). Start-up leaves
-some 70 000 long-lived objects (the modules of grpc, the Kubernetes client, pydantic), and
-every full collection walked all of them: 24 ms on an idle 2-core machine, taken in the middle
-of whichever prepare tripped it, which made the worst prepares 2 to 5 times the median.
+tens of thousands of long-lived objects (the modules of grpc, the Kubernetes client, pydantic), and
+every full collection walked all of them, in the middle of whichever prepare tripped it, which
+made the worst prepares several times the median (docs/performance.md has the figures).
 Frozen after start-up, they are no collection's business any more; and a larger first
 generation collects the short-lived objects of a claim operation (gRPC messages, JSON, log
 events) less often, so fewer of them live long enough to be promoted and walked again.

@@ -161,8 +161,8 @@ class JsonApi:
             auth_settings=["BearerToken"],
         )
         # The body goes past param_serialize, whose sanitizing walk (meant for the generated
-        # models) copies every node of plain JSON: 8 ms for an H100 node's five ResourceSlices,
-        # more than json.dumps of them takes. The client's transport encodes it either way.
+        # models) copies every node of plain JSON, which takes longer than json.dumps of them
+        # (docs/performance.md has the figure). The client's transport encodes it either way.
         return await self._client.call_api(
             method,
             url,

@@ -7,7 +7,7 @@ environment, which wins over the defaults.
 The environment is read here rather than through pydantic-settings: every setting is a
 scalar, so a variable's text goes to the field's validator as a flag's does. That package
 and the sources it imports (dotenv, cloud secret stores, a CLI parser of its own) cost the
-daemon 1.1 MiB of memory for nothing it needs.
+daemon memory for nothing it needs (docs/performance.md, "Figures behind the code's comments").
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ All methods block on the file system, briefly: the preparer calls them on the ev
 where a small local write costs less than the thread hop around it.
 
 A spec is written as compact JSON, as CDI's own Go writer does: ``json.dumps`` with an
-``indent`` runs Python's pure-Python encoder, which took 1.3 ms for a spec of 40 mounts
-(0.18 ms compact), the largest part of a prepare's own work. ``jq . <file>`` shows it indented.
+``indent`` runs Python's pure-Python encoder, several times slower than the compact one and
+then the largest part of a prepare's own work (docs/performance.md has the figures).
+``jq . <file>`` shows it indented.
 """
 
 from __future__ import annotations
