@@ -213,6 +213,19 @@ def test_full_gpus_are_described_from_nvidias_data(node: Node) -> None:
     assert first.memory_slices == 7
 
 
+def test_the_counter_set_of_a_mock_h100_holds_no_more_than_the_gpu(node: Node) -> None:
+    """NVIDIA's mock table adds up to 120Gi and 7 decoders on an 80 GB GPU with 5 (issue 22)."""
+    gpu = build_devices(node.backend().inventory())[0]
+    assert gpu.counter_set is not None
+    counters = {name: int(counter["value"]) for name, counter in gpu.counter_set["counters"].items()}
+    full = gpu.devices[0]
+    assert full["name"] == "gpu-0"
+    capacity = {name: int(value["value"]) for name, value in full["capacity"].items()}
+    assert counters["memory"] == capacity["memory"] == 81920 * 2**20
+    assert counters["decoders"] == capacity["decoders"] == 5  # 7g.80gb's, as NVIDIA publishes
+    assert counters["multiprocessors"] == capacity["multiprocessors"] == 132  # what CUDA sees whole
+
+
 def test_ampere_needs_a_reset_for_mig_mode(make_node: Callable[..., Node]) -> None:
     (a100,) = make_node("dgxa100:1").backend().inventory().gpus
     assert (a100.architecture, a100.mig_mode_change_requires_reset) == ("Ampere", True)
