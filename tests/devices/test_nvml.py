@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ from structlog.testing import capture_logs
 
 from dra_driver.devices.backend import DeviceError, DeviceInUseError, PlacementUnavailableError
 from dra_driver.devices.backends import open_backend
+from dra_driver.devices.nvcaps import Capability, ensure_node
 from dra_driver.devices.nvml import NvmlBackend
 from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import Placement
@@ -349,6 +351,37 @@ def test_hopper_switches_mig_mode_on_creates_the_placement_and_switches_it_off_a
     assert shown.mig_devices == (created,)
     backend.destroy_mig_device(gpu.uuid, created.uuid)
     assert (node.gpu_state(0)["migCurrent"], node.gpu_state(0)["gpuInstances"]) == (0, [])
+
+
+def test_a_created_mig_device_gets_its_capability_nodes_on_the_host(node: Node) -> None:
+    """The host's /dev/nvidia-caps is empty at start, as on a host where nvidia-modprobe never ran."""
+    caps = node.root / "dev" / "nvidia-caps"
+    assert not caps.exists()
+    backend = node.backend()
+    gpu = backend.inventory().gpus[0]
+    created = backend.create_mig_device(gpu.uuid, ONE_G, Placement(3, 1))
+    assert len(created.cap_nodes) == 2
+    for cap in created.cap_nodes:
+        assert cap.host_path is None  # the CDI spec names the container path only, as NVIDIA's does
+        host = node.root / cap.path.removeprefix("/")
+        info = host.lstat()
+        assert stat.S_ISCHR(info.st_mode), host
+        assert (os.major(info.st_rdev), os.minor(info.st_rdev)) == (CAPS_MAJOR, cap.minor)
+        assert stat.S_IMODE(info.st_mode) == 0o444  # DeviceFileMode 292 in the access file
+    # The same device read again (e.g. after a restart) names the same nodes.
+    (again,) = backend.inventory().gpus[0].mig_devices
+    assert again.cap_nodes == created.cap_nodes
+
+
+def test_capability_nodes_that_exist_or_may_not_be_modified_are_left_alone(tmp_path: Path) -> None:
+    existing = Capability(minor=7, mode=0o444, modify=True)
+    host = tmp_path / "dev" / "nvidia-caps" / "nvidia-cap7"
+    host.parent.mkdir(parents=True)
+    host.write_text("an administrator's")
+    assert not ensure_node(tmp_path, existing, CAPS_MAJOR)
+    assert host.read_text() == "an administrator's"
+    assert not ensure_node(tmp_path, Capability(minor=8, mode=0o444, modify=False), CAPS_MAJOR)
+    assert not (host.parent / "nvidia-cap8").exists()
 
 
 def test_mig_mode_an_administrator_enabled_stays_after_the_last_destroy(node: Node) -> None:
