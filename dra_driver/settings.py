@@ -159,8 +159,9 @@ class Settings(BaseModel):
         str,
         Field(
             description="Host path of nvidia-cdi-hook, which CDI specs run to create the libraries' "
-            "symlinks and update the container's linker cache; unset: the hook in the driver root's "
-            "usr/bin (or another binary folder) when it is there, else no hooks."
+            "symlinks, enable CUDA forward compatibility, update the container's linker cache and keep "
+            "the container from creating device nodes (the commands the hook has); unset: the hook in "
+            "the driver root's usr/bin (or another binary folder) when it is there, else no hooks."
         ),
     ] = ""
     driver_capabilities: Annotated[
