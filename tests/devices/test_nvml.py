@@ -9,6 +9,7 @@ through the mock's control interface (tests/mock_nvml.py).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import stat
@@ -35,6 +36,7 @@ from tests.mock_nvml import (
     CAPS_MAJOR,
     LIBRARY_DIR,
     MockNvml,
+    MockNvmlError,
     install_driver_root,
     install_procfs,
     mock_nvml_library,
@@ -226,6 +228,47 @@ def test_the_counter_set_of_a_mock_h100_holds_no_more_than_the_gpu(node: Node) -
     assert counters["memory"] == capacity["memory"] == 81920 * 2**20
     assert counters["decoders"] == capacity["decoders"] == 5  # 7g.80gb's, as NVIDIA publishes
     assert counters["multiprocessors"] == capacity["multiprocessors"] == 132  # what CUDA sees whole
+
+
+def test_the_virtualization_mode_is_bare_metal_unless_set(node: Node) -> None:
+    """NVIDIA's driver asks it before offering dynamic MIG, which a vGPU guest cannot repartition."""
+    node.backend()  # NVML started on the mock
+    first, second = (pynvml.nvmlDeviceGetHandleByIndex(i) for i in (0, 1))
+    assert pynvml.nvmlDeviceGetVirtualizationMode(first) == pynvml.NVML_GPU_VIRTUALIZATION_MODE_NONE
+    node.control("virtualization 1 vgpu")
+    assert pynvml.nvmlDeviceGetVirtualizationMode(second) == pynvml.NVML_GPU_VIRTUALIZATION_MODE_VGPU
+    assert pynvml.nvmlDeviceGetVirtualizationMode(first) == pynvml.NVML_GPU_VIRTUALIZATION_MODE_NONE
+    with pytest.raises(MockNvmlError, match="not none, passthrough"):
+        node.control("virtualization 0 sriov")
+
+
+def test_every_call_of_nvidias_dynamic_mig_path_answers(node: Node) -> None:
+    """The NVML calls NVIDIA's gpu-kubelet-plugin makes to offer and create a MIG device
+    (isDynamicMIGCapable, createMigDevice in cmd/gpu-kubelet-plugin/nvlib.go), in its order."""
+    node.backend()
+    gpu = pynvml.nvmlDeviceGetHandleByUUID(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(0)))
+    assert pynvml.nvmlDeviceGetVirtualizationMode(gpu) == pynvml.NVML_GPU_VIRTUALIZATION_MODE_NONE
+    assert pynvml.nvmlDeviceGetArchitecture(gpu) == pynvml.NVML_DEVICE_ARCH_HOPPER
+    pynvml.nvmlDeviceSetMigMode(gpu, pynvml.NVML_DEVICE_MIG_ENABLE)
+    info = pynvml.nvmlDeviceGetGpuInstanceProfileInfo(gpu, ONE_G)
+    placement = pynvml.c_nvmlGpuInstancePlacement_t(2, 1)
+    gpu_instance = pynvml.nvmlDeviceCreateGpuInstanceWithPlacement(gpu, info.id, ctypes.pointer(placement))
+    assert pynvml.nvmlGpuInstanceGetInfo(gpu_instance).placement.start == 2
+    ci_info = pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+        gpu_instance,
+        pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE,
+        pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+    )
+    compute_instance = pynvml.nvmlGpuInstanceCreateComputeInstance(gpu_instance, ci_info.id)
+    # nvml.h documents the compute instance's `device` as its parent GPU, and so the mock answers;
+    # NVIDIA's plugin reads the new MIG device's UUID from it (see docs/mock-nvml.md).
+    parent = pynvml.nvmlComputeInstanceGetInfo(compute_instance).device
+    assert pynvml.nvmlDeviceGetUUID(parent) == pynvml.nvmlDeviceGetUUID(gpu)
+    mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 0)
+    assert pynvml.nvmlDeviceGetUUID(mig).startswith("MIG-")
+    pynvml.nvmlComputeInstanceDestroy(compute_instance)
+    pynvml.nvmlGpuInstanceDestroy(gpu_instance)
+    pynvml.nvmlDeviceSetMigMode(gpu, pynvml.NVML_DEVICE_MIG_DISABLE)
 
 
 def test_ampere_needs_a_reset_for_mig_mode(make_node: Callable[..., Node]) -> None:
