@@ -152,6 +152,22 @@ def test_nvidias_time_slicing_example_reaches_both_containers(
     assert f"DRA_GPU_TIME_SLICE_INTERVAL_{suffix}=Long" in env
 
 
+def test_a_device_plugin_era_pod_gets_a_gpu_through_nvidias_class(
+    rest: RestClient, node: GpuNode, namespace: str
+) -> None:
+    """NVIDIA's gpu.nvidia.com class serves nvidia.com/gpu, as NVIDIA's chart sets it."""
+    example = manifests.EXAMPLES / "extended-resource.yaml"  # nvidia.com/gpu: 1, and no claim
+    manifests.apply_example(rest, example, namespace, node_name=node.name)
+
+    pod = wait_running(rest, namespace, "asks-extended-resource")
+
+    name = pod["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
+    claim = rest.get(f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}")
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    assert (result["driver"], result["device"].startswith("gpu-")) == (NVIDIA_DRIVER_NAME, True)
+    delete_pod(rest, namespace, "asks-extended-resource")
+
+
 def test_vfio_passthrough_is_refused_with_the_reason(rest: RestClient, node: GpuNode, namespace: str) -> None:
     objects = claim_and_pod("vfio", "gpu.nvidia.com", None, node.name)
     objects[0]["spec"]["devices"]["config"] = [
