@@ -40,6 +40,7 @@ from dra_driver.labels.labeller import NodeLabeller
 from dra_driver.memory import HeapTrimmer, settle_collector
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
 from dra_driver.node.claim_status import ApiServerClaimStatus, ClaimStatusWriter
+from dra_driver.node.nvidia_config import NVIDIA_DRIVER_NAME
 from dra_driver.node.preparer import NodePreparer
 from dra_driver.node.sharing.mps import MpsDaemons
 from dra_driver.node.sharing.mps_deployment import DeploymentMpsDaemons
@@ -48,6 +49,7 @@ from dra_driver.resources.devices import (
     PartitionPolicy,
     build_devices,
     partition_all,
+    partition_mig_mode,
     partition_none,
     partition_selected,
 )
@@ -85,12 +87,21 @@ CHECKPOINT_FILE = "checkpoint.json"
 DRAIN_SECONDS = 20.0
 
 
-def partition_policy(setting: str) -> PartitionPolicy:
-    """The ``--mig-partitions`` value as a policy: all, none, or a list of GPU UUIDs / minors."""
+def partition_policy(setting: str, driver_name: str) -> PartitionPolicy:
+    """The ``--mig-partitions`` value as a policy: all, none, mig-mode, auto, or GPU UUIDs / minors.
+
+    ``auto`` is all under the driver's own name and mig-mode under NVIDIA's, whose driver offers no
+    dynamic MIG by default: claims written for it, admin access included, find full GPUs without
+    counters there (docs/maintenance.md says what each choice costs).
+    """
+    if setting == "auto":
+        setting = "mig-mode" if driver_name == NVIDIA_DRIVER_NAME else "all"
     if setting == "all":
         return partition_all
     if setting == "none":
         return partition_none
+    if setting == "mig-mode":
+        return partition_mig_mode
     return partition_selected(partition_gpus(setting))
 
 
@@ -107,7 +118,7 @@ def desired_slices(
     as the placements they were created from. ``taints`` are those of faulty GPUs' devices.
     ``rules`` are the API server's release's (the slice layout differs on 1.34).
     """
-    policy = partition_policy(settings.mig_partitions)
+    policy = partition_policy(settings.mig_partitions, settings.driver_name)
     return split_pool(
         build_devices(
             inventory,
@@ -524,7 +535,7 @@ async def _serve(
         common_edits=edits_for(settings, inventory),
         checkpoint_path=state_dir / CHECKPOINT_FILE,
         boot_id_path=settings.boot_id_file,
-        partition=partition_policy(settings.mig_partitions),
+        partition=partition_policy(settings.mig_partitions, settings.driver_name),
         consumable=settings.consumable_capacity,
         on_inventory_changed=watch.deliver,  # MIG devices created or destroyed: publish now
         observer=metrics,

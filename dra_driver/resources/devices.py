@@ -91,6 +91,17 @@ def partition_none(gpu: Gpu) -> bool:
     return False
 
 
+def partition_mig_mode(gpu: Gpu) -> bool:
+    """Only the GPUs whose MIG mode is on offer partitions: the driver never switches it on.
+
+    A GPU in MIG mode offers no full GPU, and a GPU with MIG mode off offers no placements, so no
+    full GPU consumes counters: an admin-access claim for a full GPU that a workload holds is then
+    allocatable on Kubernetes 1.37, which charges admin-access claims against counters
+    (kubernetes/kubernetes#140729).
+    """
+    return gpu.mig_enabled
+
+
 def partition_selected(ids: Collection[str]) -> PartitionPolicy:
     """Only the GPUs named in ``ids`` by UUID or by minor number ("0") offer partitions."""
     wanted = frozenset(ids)
