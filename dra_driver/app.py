@@ -20,11 +20,16 @@ from typing import TYPE_CHECKING
 import structlog
 
 from dra_driver import kube
-from dra_driver.cdi.spec import CommonEdits, common_edits
+from dra_driver.cdi.spec import HOOK_COMMANDS, CommonEdits, common_edits
 from dra_driver.cdi.store import SpecStore
 from dra_driver.devices.backend import Backend, DeviceError
 from dra_driver.devices.backends import open_backend
-from dra_driver.devices.driver_root import find_cdi_hook, find_driver_files, parse_capabilities
+from dra_driver.devices.driver_root import (
+    cdi_hook_commands,
+    find_cdi_hook,
+    find_driver_files,
+    parse_capabilities,
+)
 from dra_driver.devices.faults import FaultKind, NodeFaults
 from dra_driver.devices.health import HealthSource, open_health_source
 from dra_driver.devices.simulated import STATE_FILE_NAME
@@ -35,6 +40,7 @@ from dra_driver.labels.labeller import NodeLabeller
 from dra_driver.memory import HeapTrimmer, settle_collector
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
 from dra_driver.node.claim_status import ApiServerClaimStatus, ClaimStatusWriter
+from dra_driver.node.nvidia_config import NVIDIA_DRIVER_NAME
 from dra_driver.node.preparer import NodePreparer
 from dra_driver.node.sharing.mps import MpsDaemons
 from dra_driver.node.sharing.mps_deployment import DeploymentMpsDaemons
@@ -43,6 +49,7 @@ from dra_driver.resources.devices import (
     PartitionPolicy,
     build_devices,
     partition_all,
+    partition_mig_mode,
     partition_none,
     partition_selected,
 )
@@ -80,12 +87,21 @@ CHECKPOINT_FILE = "checkpoint.json"
 DRAIN_SECONDS = 20.0
 
 
-def partition_policy(setting: str) -> PartitionPolicy:
-    """The ``--mig-partitions`` value as a policy: all, none, or a list of GPU UUIDs / minors."""
+def partition_policy(setting: str, driver_name: str) -> PartitionPolicy:
+    """The ``--mig-partitions`` value as a policy: all, none, mig-mode, auto, or GPU UUIDs / minors.
+
+    ``auto`` is all under the driver's own name and mig-mode under NVIDIA's, whose driver offers no
+    dynamic MIG by default: claims written for it, admin access included, find full GPUs without
+    counters there (docs/maintenance.md says what each choice costs).
+    """
+    if setting == "auto":
+        setting = "mig-mode" if driver_name == NVIDIA_DRIVER_NAME else "all"
     if setting == "all":
         return partition_all
     if setting == "none":
         return partition_none
+    if setting == "mig-mode":
+        return partition_mig_mode
     return partition_selected(partition_gpus(setting))
 
 
@@ -102,7 +118,7 @@ def desired_slices(
     as the placements they were created from. ``taints`` are those of faulty GPUs' devices.
     ``rules`` are the API server's release's (the slice layout differs on 1.34).
     """
-    policy = partition_policy(settings.mig_partitions)
+    policy = partition_policy(settings.mig_partitions, settings.driver_name)
     return split_pool(
         build_devices(
             inventory,
@@ -196,7 +212,39 @@ def edits_for(settings: Settings, inventory: Inventory) -> CommonEdits:
             "no nvidia-cdi-hook: specs create no library symlinks and leave the linker cache alone",
             hint="set nvidia-cdi-hook-path, or install the NVIDIA container toolkit in the driver root",
         )
-    return common_edits(inventory, files, hook_path=hook_path if files is not None else None)
+    if files is None or hook_path is None:
+        return common_edits(inventory, files)
+    return common_edits(
+        inventory, files, hook_path=hook_path, hook_commands=hook_commands(settings, hook_path)
+    )
+
+
+# What every nvidia-cdi-hook has had (toolkit v1.14 on): all a spec runs when the hook is unreadable.
+_OLDEST_HOOK_COMMANDS = ("create-symlinks", "update-ldcache")
+
+
+def hook_commands(settings: Settings, hook_path: str) -> tuple[str, ...]:
+    """The commands of HOOK_COMMANDS that the host's nvidia-cdi-hook at ``hook_path`` has."""
+    seen = Path(hook_path)
+    if settings.driver_root_mount is not None and seen.is_relative_to(settings.driver_root):
+        seen = settings.driver_root_mount / seen.relative_to(settings.driver_root)
+    try:
+        found = cdi_hook_commands(seen, HOOK_COMMANDS)
+    except DeviceError as err:
+        log.warning(
+            "nvidia-cdi-hook unreadable: specs run only the hook commands every version has",
+            error=str(err),
+            commands=list(_OLDEST_HOOK_COMMANDS),
+        )
+        return _OLDEST_HOOK_COMMANDS
+    missing = [command for command in HOOK_COMMANDS if command not in found]
+    if missing:
+        log.info(
+            "nvidia-cdi-hook lacks commands; specs leave them out",
+            missing=missing,
+            hint="NVIDIA container toolkit v1.18.0 or newer has them",
+        )
+    return tuple(command for command in HOOK_COMMANDS if command in found)
 
 
 # HTTP/1.1 connections to the API server at most (the client's default is 100). A burst of 200
@@ -487,7 +535,7 @@ async def _serve(
         common_edits=edits_for(settings, inventory),
         checkpoint_path=state_dir / CHECKPOINT_FILE,
         boot_id_path=settings.boot_id_file,
-        partition=partition_policy(settings.mig_partitions),
+        partition=partition_policy(settings.mig_partitions, settings.driver_name),
         consumable=settings.consumable_capacity,
         on_inventory_changed=watch.deliver,  # MIG devices created or destroyed: publish now
         observer=metrics,

@@ -159,8 +159,9 @@ class Settings(BaseModel):
         str,
         Field(
             description="Host path of nvidia-cdi-hook, which CDI specs run to create the libraries' "
-            "symlinks and update the container's linker cache; unset: the hook in the driver root's "
-            "usr/bin (or another binary folder) when it is there, else no hooks."
+            "symlinks, enable CUDA forward compatibility, update the container's linker cache and keep "
+            "the container from creating device nodes (the commands the hook has); unset: the hook in "
+            "the driver root's usr/bin (or another binary folder) when it is there, else no hooks."
         ),
     ] = ""
     driver_capabilities: Annotated[
@@ -183,10 +184,13 @@ class Settings(BaseModel):
     mig_partitions: Annotated[
         str,
         Field(
-            description="Which MIG-capable GPUs offer MIG partitions created on demand: all, none, "
-            "or a comma-separated list of GPU UUIDs or minor numbers."
+            description="Which MIG-capable GPUs offer MIG partitions created on demand: all; none; "
+            "mig-mode (the GPUs whose MIG mode is on); a comma-separated list of GPU UUIDs or minor "
+            "numbers; or auto: all, but mig-mode under NVIDIA's driver name gpu.nvidia.com, so that a "
+            "full GPU consumes no counters and admin-access claims through NVIDIA's DeviceClass run "
+            "beside its workload (kubernetes/kubernetes#140729, docs/maintenance.md)."
         ),
-    ] = "all"
+    ] = "auto"
     maintenance_devices: Annotated[
         bool,
         Field(
@@ -378,7 +382,7 @@ class Settings(BaseModel):
     @classmethod
     def _partition_choice(cls, value: str) -> str:
         keyword = value.strip().lower()
-        if keyword in {"all", "none"}:
+        if keyword in MIG_PARTITION_KEYWORDS:
             return keyword
         return ",".join(partition_gpus(value))
 
@@ -412,16 +416,22 @@ def http_host_port(address: str) -> tuple[str, int]:
     return (host[1:-1] if bracketed else host) or "0.0.0.0", int(port)
 
 
+# The --mig-partitions values that name no GPU (see Settings.mig_partitions).
+MIG_PARTITION_KEYWORDS = frozenset({"all", "none", "mig-mode", "auto"})
+
+
 def partition_gpus(value: str) -> tuple[str, ...]:
     """The GPUs a ``mig_partitions`` list names, by minor number or UUID; ValueError names a bad one."""
     gpus = tuple(dict.fromkeys(part.strip() for part in value.split(",") if part.strip()))
     if not gpus:
-        raise ValueError("must be all, none, or a comma-separated list of GPU UUIDs or minor numbers")
+        raise ValueError(
+            "must be all, none, mig-mode, auto, or a comma-separated list of GPU UUIDs or minor numbers"
+        )
     for gpu in gpus:
         if not (_GPU_MINOR.match(gpu) or _GPU_UUID.match(gpu)):
             raise ValueError(
-                f"{gpu!r} is neither all, none, a GPU minor number (0, 1, ...) nor a GPU UUID "
-                "(GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, as `nvidia-smi -L` lists them)"
+                f"{gpu!r} is neither all, none, mig-mode, auto, a GPU minor number (0, 1, ...) nor a "
+                "GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, as `nvidia-smi -L` lists them)"
             )
     return gpus
 

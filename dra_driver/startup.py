@@ -26,7 +26,7 @@ from dra_driver.kubelet.sockets import (
     socket_paths,
 )
 from dra_driver.node.checkpoint import read_boot_id
-from dra_driver.settings import Settings, partition_gpus
+from dra_driver.settings import MIG_PARTITION_KEYWORDS, Settings, partition_gpus
 
 if TYPE_CHECKING:  # check_before_starting runs before the kubelet sockets open: it imports neither
     from dra_driver import kube
@@ -131,7 +131,7 @@ async def start_status_server(status: StatusServer, address: str) -> None:
 
 def check_mig_partitions(settings: Settings, inventory: Inventory) -> None:
     """Refuse a ``--mig-partitions`` list naming a GPU the node lacks: a typo would silently offer none."""
-    if settings.mig_partitions in {"all", "none"}:
+    if settings.mig_partitions in MIG_PARTITION_KEYWORDS:
         return
     known = {str(gpu.minor) for gpu in inventory.gpus} | {gpu.uuid for gpu in inventory.gpus}
     missing = [gpu for gpu in partition_gpus(settings.mig_partitions) if gpu not in known]
@@ -140,5 +140,6 @@ def check_mig_partitions(settings: Settings, inventory: Inventory) -> None:
         raise StartupError(
             f"--mig-partitions / DRA_MIG_PARTITIONS names {', '.join(missing)}, which node "
             f"{settings.node_name or '(unnamed)'} does not have; its GPUs are the minor numbers "
-            f"{minors or '(none)'} or their UUIDs (`dra-driver inventory` lists them); or use all or none"
+            f"{minors or '(none)'} or their UUIDs (`dra-driver inventory` lists them); or use all, none, "
+            "mig-mode or auto"
         )

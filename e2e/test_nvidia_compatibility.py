@@ -20,6 +20,7 @@ import pytest
 
 from dra_driver.node.nvidia_config import NVIDIA_DRIVER_NAME
 from e2e import manifests
+from e2e.claims import gpu_uuid
 from e2e.cluster import ClusterInfo, JsonObject, RestClient
 from e2e.daemon import wait_until
 from e2e.gpu_node import GpuNode, published_devices
@@ -30,6 +31,7 @@ pytestmark = pytest.mark.e2e
 
 PROFILE = "gb200-tray"
 NVIDIA_EXAMPLES = manifests.EXAMPLES / "nvidia"
+ADMIN_LABEL = "resource.kubernetes.io/admin-access"  # the namespace label admin access needs
 STATIC_MIG = "gpu-3-mig-3g93gb-9-4"  # made by "the administrator" before the tests
 CLASS_OF = {"gpu": "gpu.nvidia.com", "mig": "mig.nvidia.com", "existing mig": "mig.nvidia.com"}
 CASES = [
@@ -152,6 +154,22 @@ def test_nvidias_time_slicing_example_reaches_both_containers(
     assert f"DRA_GPU_TIME_SLICE_INTERVAL_{suffix}=Long" in env
 
 
+def test_a_device_plugin_era_pod_gets_a_gpu_through_nvidias_class(
+    rest: RestClient, node: GpuNode, namespace: str
+) -> None:
+    """NVIDIA's gpu.nvidia.com class serves nvidia.com/gpu, as NVIDIA's chart sets it."""
+    example = manifests.EXAMPLES / "extended-resource.yaml"  # nvidia.com/gpu: 1, and no claim
+    manifests.apply_example(rest, example, namespace, node_name=node.name)
+
+    pod = wait_running(rest, namespace, "asks-extended-resource")
+
+    name = pod["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
+    claim = rest.get(f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}")
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    assert (result["driver"], result["device"].startswith("gpu-")) == (NVIDIA_DRIVER_NAME, True)
+    delete_pod(rest, namespace, "asks-extended-resource")
+
+
 def test_vfio_passthrough_is_refused_with_the_reason(rest: RestClient, node: GpuNode, namespace: str) -> None:
     objects = claim_and_pod("vfio", "gpu.nvidia.com", None, node.name)
     objects[0]["spec"]["devices"]["config"] = [
@@ -173,3 +191,58 @@ def test_vfio_passthrough_is_refused_with_the_reason(rest: RestClient, node: Gpu
 
     message = wait_until(failure, timeout_seconds=60, waiting_for="a FailedPrepareDynamicResources event")
     assert "kind: VfioDeviceConfig of resource.nvidia.com/v1beta1: VFIO passthrough" in message
+
+
+@pytest.fixture(scope="module")
+def default_node(
+    cluster: ClusterInfo,
+    kubelet_harness_binary: Path,
+    nvidia_device_classes: None,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[GpuNode]:
+    """The GB200 tray as a default install names it gpu.nvidia.com: no setting but the driver name."""
+    node = GpuNode(
+        cluster,
+        kubelet_harness_binary,
+        tmp_path_factory.mktemp("node-nvidia-default"),
+        "node-nvidia-default",
+        profile=PROFILE,
+        driver_name=NVIDIA_DRIVER_NAME,
+    )
+    try:
+        node.start()
+        yield node
+    finally:
+        node.remove()
+
+
+def test_nvidias_admin_access_claim_runs_beside_the_workload_on_a_default_install(
+    rest: RestClient, default_node: GpuNode, namespace: str
+) -> None:
+    """As NVIDIA's users write it: the gpu.nvidia.com class, adminAccess, the GPU's uuid. Kubernetes
+    1.37 charges admin access against counters (kubernetes/kubernetes#140729), so this works because
+    the default migPartitions (auto) offers no MIG placements beside a full GPU under this name."""
+    uuid = gpu_uuid(default_node, 1)
+    selector = f'device.attributes["{NVIDIA_DRIVER_NAME}"].uuid == "{uuid}"'
+    full = published_devices(rest, default_node.name, NVIDIA_DRIVER_NAME)["gpu-1"]
+    assert "consumesCounters" not in full
+    manifests.apply(rest, claim_and_pod("workload", "gpu.nvidia.com", selector, default_node.name), namespace)
+    workload = pod_claim(rest, wait_running(rest, namespace, "workload"), "gpu")
+
+    admin = f"admin-{namespace}"
+    rest.create("/api/v1/namespaces", {"metadata": {"name": admin, "labels": {ADMIN_LABEL: "true"}}})
+    try:
+        objects = claim_and_pod("diagnostics", "gpu.nvidia.com", selector, default_node.name)
+        objects[0]["spec"]["devices"]["requests"][0]["exactly"]["adminAccess"] = True
+        manifests.apply(rest, objects, admin)
+        diagnostics = pod_claim(rest, wait_running(rest, admin, "diagnostics"), "gpu")
+        (held,) = workload["status"]["allocation"]["devices"]["results"]
+        (shared,) = diagnostics["status"]["allocation"]["devices"]["results"]
+        assert (shared["device"], shared["adminAccess"]) == (held["device"], True)
+        assert rest.get(f"/api/v1/namespaces/{namespace}/pods/workload")["status"]["phase"] == "Running"
+        delete_pod(rest, admin, "diagnostics")
+    finally:
+        rest.request("DELETE", f"/api/v1/namespaces/{admin}/pods", query={"gracePeriodSeconds": "0"})
+        rest.delete(f"/api/v1/namespaces/{admin}")
+    delete_pod(rest, namespace, "workload")
+    default_node.wait_idle()

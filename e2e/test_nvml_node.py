@@ -9,6 +9,7 @@ procfs (--procfs-root), and all of it undone when the pod goes."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -215,8 +216,13 @@ def test_a_dynamic_mig_claim_is_made_through_nvml_and_undone_when_its_pod_goes(
     assert len(instance["computeInstances"]) == 1
     spec = check_cdi_spec(node, claim)  # /dev/nvidia4 and the two nvidia-caps nodes the mock's procfs names
     (edits,) = [d["containerEdits"] for d in spec["devices"] if d["name"].endswith(device)]
-    caps = [n["path"] for n in edits["deviceNodes"] if "nvidia-caps" in n["path"]]
+    caps = [n for n in edits["deviceNodes"] if "nvidia-caps" in n["path"]]
     assert len(caps) == 2
+    for cap in caps:  # the container path only, as NVIDIA's spec; the host's node made by the driver
+        assert "hostPath" not in cap
+        host = node.driver.paths.driver_root / cap["path"].removeprefix("/")
+        assert host.is_char_device()
+        assert os.minor(host.stat().st_rdev) == cap["minor"]
     delete_pod(rest, namespace, "mig-nvml")
     wait_until(
         lambda: gpu_state(node, 4)["gpuInstances"] == [] and gpu_state(node, 4)["migCurrent"] == 0,

@@ -488,7 +488,14 @@ def _class_names(document: Any) -> Iterator[str]:
 
 def test_examples_use_the_device_classes_the_chart_installs(helm: Path) -> None:
     ours = {m["metadata"]["name"]: m for m in of_kind(render(helm), "DeviceClass")}
-    as_nvidia = render(helm, {"driverName": "gpu.nvidia.com"})  # what examples/nvidia/ are written for
+    # What examples/nvidia/ are written for: NVIDIA's names, and nvidia.com/gpu as NVIDIA's chart sets it.
+    as_nvidia = render(
+        helm,
+        {
+            "driverName": "gpu.nvidia.com",
+            "deviceClasses": {"gpu": {"extendedResourceName": "nvidia.com/gpu"}},
+        },
+    )
     nvidias = {m["metadata"]["name"]: m for m in of_kind(as_nvidia, "DeviceClass")}
     documents = list(_example_documents())
     assert documents, f"no examples under {EXAMPLES}"
@@ -601,6 +608,14 @@ def test_nvidias_dynamic_mig_gate_sets_mig_partitions(
 
     assert plugin_env(by_gate)["DRA_MIG_PARTITIONS"]["value"] == mig_partitions
     assert by_gate == render(helm, {"migPartitions": mig_partitions})
+
+
+def test_under_nvidias_name_dynamic_mig_true_means_every_gpu(helm: Path) -> None:
+    """The default, auto, is mig-mode under gpu.nvidia.com (docs/maintenance.md); the gate asks for all."""
+    as_nvidia = {"driverName": "gpu.nvidia.com"}
+    assert plugin_env(render(helm, as_nvidia))["DRA_MIG_PARTITIONS"]["value"] == "auto"
+    by_gate = render(helm, {**as_nvidia, "featureGates": {"DynamicMIG": True}})
+    assert plugin_env(by_gate)["DRA_MIG_PARTITIONS"]["value"] == "all"
 
 
 def test_nvidias_gates_for_what_the_driver_always_does_are_accepted(helm: Path) -> None:

@@ -45,7 +45,7 @@ whose device nodes the container has.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
@@ -55,6 +55,14 @@ from dra_driver.devices.driver_root import DriverFiles, HostFile
 from dra_driver.devices.types import DeviceNode, Inventory
 
 CLAIM_CLASS = "claim"
+# The nvidia-cdi-hook commands a spec runs (see _hooks), in their order. NVIDIA's toolkit has had
+# create-symlinks and update-ldcache since v1.14, the other two since v1.18.0.
+HOOK_COMMANDS = (
+    "create-symlinks",
+    "enable-cuda-compat",
+    "update-ldcache",
+    "disable-device-node-modification",
+)
 # Driver files are shared with the host: the container must not write or execute
 # set-uid through them, and must not see later mount changes under them.
 READ_ONLY_BIND = ("ro", "nosuid", "nodev", "rbind", "rprivate")
@@ -109,20 +117,25 @@ class CommonEdits:
     # Control nodes: nvidiactl, nvidia-uvm, nvidia-uvm-tools, nvidia-modeset.
     device_nodes: tuple[DeviceNode, ...]
     mounts: tuple[Mount, ...]  # driver libraries/binaries/firmware, read-only bind mounts
-    hooks: tuple[Hook, ...]  # nvidia-cdi-hook create-symlinks / update-ldcache when available
+    hooks: tuple[Hook, ...]  # nvidia-cdi-hook's commands (HOOK_COMMANDS) when available
     # Claim-wide variables beside NVIDIA_VISIBLE_DEVICES=void: an MPS claim's CUDA_MPS_* settings.
     env: tuple[tuple[str, str], ...] = ()
 
 
 def common_edits(
-    inventory: Inventory, driver_files: DriverFiles | None, hook_path: str | None = None
+    inventory: Inventory,
+    driver_files: DriverFiles | None,
+    hook_path: str | None = None,
+    hook_commands: Collection[str] = HOOK_COMMANDS,
 ) -> CommonEdits:
     """The claim-independent edits for this node.
 
     ``hook_path`` is the host path of ``nvidia-cdi-hook``. Without it no hooks are
     added, and the container finds the libraries only under the names they are
     mounted with: nothing creates the soname links (``libcuda.so.1``) or
-    refreshes the linker cache.
+    refreshes the linker cache. ``hook_commands`` are the commands that hook
+    binary has (an older toolkit's lacks the newer ones, and a container whose
+    hook fails does not start).
     """
     files: list[HostFile] = []
     libraries: tuple[HostFile, ...] = ()
@@ -134,7 +147,16 @@ def common_edits(
     return CommonEdits(
         device_nodes=inventory.control_nodes,
         mounts=_mounts(files),
-        hooks=_hooks(hook_path, [library.container_path for library in libraries]) if hook_path else (),
+        hooks=(
+            _hooks(
+                hook_path,
+                [library.container_path for library in libraries],
+                inventory.driver_version,
+                frozenset(hook_commands),
+            )
+            if hook_path
+            else ()
+        ),
     )
 
 
@@ -313,14 +335,25 @@ def _mounts(files: Iterable[HostFile]) -> tuple[Mount, ...]:
     return tuple(by_target.values())
 
 
-def _hooks(hook_path: str, libraries: Sequence[PurePosixPath]) -> tuple[Hook, ...]:
-    """nvidia-cdi-hook calls that make the mounted libraries usable inside the container.
+def _hooks(
+    hook_path: str, libraries: Sequence[PurePosixPath], driver_version: str, commands: frozenset[str]
+) -> tuple[Hook, ...]:
+    """nvidia-cdi-hook calls that prepare the container, in the order NVIDIA's toolkit runs them.
 
-    ``create-symlinks`` adds ``libcuda.so`` next to a mounted ``libcuda.so.<version>``
-    (pointing at the ``libcuda.so.1`` soname) for programs that link with
-    ``-lcuda``; ``update-ldcache`` then runs ldconfig over the library folders,
-    which also creates the soname links, so the dynamic linker finds them.
+    * ``create-symlinks`` adds ``libcuda.so`` next to a mounted ``libcuda.so.<version>``
+      (pointing at the ``libcuda.so.1`` soname) for programs that link with ``-lcuda``;
+    * ``enable-cuda-compat --host-driver-version=<version>``: where the image ships CUDA's
+      forward-compatibility libraries (``/usr/local/cuda/compat/libcuda.so.<version>``) newer
+      than the host's driver, it adds their folder to the linker's configuration ahead of the
+      driver's, so a CUDA newer than the driver runs; otherwise it does nothing;
+    * ``update-ldcache`` then runs ldconfig over the library folders (and the compat folder),
+      which also creates the soname links, so the dynamic linker finds them;
+    * ``disable-device-node-modification`` gives the container a ``/proc/driver/nvidia/params``
+      that says ``ModifyDeviceFiles: 0``, so the driver's libraries in the container never try
+      to create device nodes (nvidia-modprobe) for GPUs the container was not given.
     """
+    if not libraries:
+        return ()  # no driver in the container: nothing to link, cache or keep from making nodes
     program = PurePosixPath(hook_path).name
     names = {library.name for library in libraries}
     links = [
@@ -342,11 +375,14 @@ def _hooks(hook_path: str, libraries: Sequence[PurePosixPath]) -> tuple[Hook, ..
         and library.name != "libnvidia-opticalflow.so.1"
     ]
     folders = list(dict.fromkeys(str(library.parent) for library in libraries))
-    hooks: list[Hook] = []
+    calls: list[tuple[str, ...]] = []
     if links:
-        args = [arg for link in dict.fromkeys(links) for arg in ("--link", link)]
-        hooks.append(Hook("createContainer", hook_path, (program, "create-symlinks", *args)))
+        calls.append(("create-symlinks", *(arg for link in dict.fromkeys(links) for arg in ("--link", link))))
+    if any(_LIBCUDA.fullmatch(library.name) for library in libraries):
+        calls.append(("enable-cuda-compat", f"--host-driver-version={driver_version}"))
     if folders:
-        args = [arg for folder in folders for arg in ("--folder", folder)]
-        hooks.append(Hook("createContainer", hook_path, (program, "update-ldcache", *args)))
-    return tuple(hooks)
+        calls.append(("update-ldcache", *(arg for folder in folders for arg in ("--folder", folder))))
+    calls.append(("disable-device-node-modification",))
+    return tuple(
+        Hook("createContainer", hook_path, (program, *call)) for call in calls if call[0] in commands
+    )

@@ -12,6 +12,7 @@ container runtime reads them on the host.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -159,6 +160,20 @@ def find_cdi_hook(driver_root: Path, *, seen_at: Path | None = None) -> str | No
     """The host path of ``nvidia-cdi-hook`` in the driver root's binary folders, if it is there."""
     found = find_in(seen_at or driver_root, BINARY_DIRS, CDI_HOOK)
     return str(PurePosixPath(driver_root / found)) if found else None
+
+
+def cdi_hook_commands(binary: Path, commands: Iterable[str]) -> frozenset[str]:
+    """Which of ``commands`` the ``nvidia-cdi-hook`` at ``binary`` (as this process sees it) has.
+
+    Read from the binary rather than run: it is the host's, and a Go program carries each
+    command's name as a string. An unknown command fails the hook, and the runtime then refuses
+    to start the container, so a spec may only name what the host's hook has.
+    """
+    try:
+        content = binary.read_bytes()
+    except OSError as e:
+        raise DeviceError(f"cannot read nvidia-cdi-hook at {binary} to see which commands it has: {e}") from e
+    return frozenset(command for command in commands if command.encode() in content)
 
 
 def find_driver_files(

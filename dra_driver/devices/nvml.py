@@ -58,6 +58,7 @@ from dra_driver.devices.naming import (
     normalize_pci_bus_id,
     split_pci_device_id,
 )
+from dra_driver.devices.nvcaps import caps_major, ensure_node, read_capability
 from dra_driver.devices.nvml_orphans import ORPHANS_FILE, Orphan, OrphanRecord, boot_id
 from dra_driver.devices.nvml_policy import NvmlComputePolicy
 from dra_driver.devices.types import (
@@ -400,7 +401,7 @@ class NvmlBackend:
                 placement=placement,
                 gpu_instance_id=gi_id,
                 compute_instance_id=ci_id,
-                cap_nodes=self._cap_nodes(minor, gi_id, ci_id),
+                cap_nodes=self._cap_nodes(minor, gi_id, ci_id, make=True),
             )
         except (pynvml.NVMLError, DeviceError) as e:
             # Leave the GPU as it was: a MIG device nobody can use must not outlive the failure.
@@ -676,47 +677,26 @@ class NvmlBackend:
                 log.info("control_device_absent", device=name)
         return tuple(nodes)
 
-    def _cap_nodes(self, gpu_minor: int, gi_id: int, ci_id: int) -> tuple[DeviceNode, DeviceNode]:
-        """The nvidia-caps nodes of a MIG device; their minors are in the driver's procfs files."""
+    def _cap_nodes(
+        self, gpu_minor: int, gi_id: int, ci_id: int, *, make: bool = False
+    ) -> tuple[DeviceNode, DeviceNode]:
+        """The nvidia-caps nodes of a MIG device; their minors are in the driver's procfs files.
+
+        Named by their container path only, as NVIDIA's driver does: the runtime makes them in the
+        container from their numbers, whether or not the host has them. ``make`` creates the
+        host's nodes where missing (:mod:`~dra_driver.devices.nvcaps`), for a device just made.
+        """
         gpu_instance = self._procfs_root.joinpath(
             "driver", "nvidia", "capabilities", f"gpu{gpu_minor}", "mig", f"gi{gi_id}"
         )
-        major = self._caps_major()
+        major = caps_major(self._procfs_root)
         nodes = []
         for access in (gpu_instance / "access", gpu_instance / f"ci{ci_id}" / "access"):
-            minor = self._device_file_minor(access)
-            name = f"nvidia-caps/nvidia-cap{minor}"
-            host_path = None if self._dev_root == Path("/") else str(self._dev_root / "dev" / name)
-            nodes.append(DeviceNode(f"/dev/{name}", major, minor, host_path))
+            capability = read_capability(access)
+            if make:
+                ensure_node(self._dev_root, capability, major)
+            nodes.append(DeviceNode(capability.path, major, capability.minor))
         return nodes[0], nodes[1]
-
-    @staticmethod
-    def _device_file_minor(access: Path) -> int:
-        try:
-            lines = access.read_text().splitlines()
-        except OSError as e:
-            raise DeviceError(
-                f"cannot read {access} ({e}): mount the host's /proc/driver/nvidia into the plugin "
-                "and point its procfs root at it"
-            ) from e
-        for line in lines:
-            key, _, value = line.partition(":")
-            if key.strip() == "DeviceFileMinor":
-                return int(value)
-        raise DeviceError(f"{access} has no DeviceFileMinor line; is this an NVIDIA driver capability file?")
-
-    def _caps_major(self) -> int:
-        devices = self._procfs_root / "devices"
-        try:
-            text = devices.read_text()
-        except OSError as e:
-            raise DeviceError(f"cannot read {devices} ({e}) to find the nvidia-caps device major") from e
-        character = text.partition("Character devices:")[2].partition("Block devices:")[0]
-        for line in character.splitlines():
-            number, _, name = line.strip().partition(" ")
-            if name == "nvidia-caps":
-                return int(number)
-        raise DeviceError(f"{devices} lists no nvidia-caps driver: is the NVIDIA kernel module loaded?")
 
     # --- changing ----------------------------------------------------------------------------------
 

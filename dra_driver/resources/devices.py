@@ -39,7 +39,7 @@ from dra_driver.resources.naming import (
     mig_device_name,
     require_dns_label,
 )
-from dra_driver.resources.partitions import ENGINE_COUNTERS, partition_budget, profile_share
+from dra_driver.resources.partitions import ENGINE_COUNTERS, gpu_totals, partition_budget, profile_share
 from dra_driver.resources.wire import (
     Counter,
     CounterSet,
@@ -89,6 +89,17 @@ def partition_all(gpu: Gpu) -> bool:
 def partition_none(gpu: Gpu) -> bool:
     """No GPU offers partitions (MIG publishing disabled)."""
     return False
+
+
+def partition_mig_mode(gpu: Gpu) -> bool:
+    """Only the GPUs whose MIG mode is on offer partitions: the driver never switches it on.
+
+    A GPU in MIG mode offers no full GPU, and a GPU with MIG mode off offers no placements, so no
+    full GPU consumes counters: an admin-access claim for a full GPU that a workload holds is then
+    allocatable on Kubernetes 1.37, which charges admin-access claims against counters
+    (kubernetes/kubernetes#140729).
+    """
+    return gpu.mig_enabled
 
 
 def partition_selected(ids: Collection[str]) -> PartitionPolicy:
@@ -176,14 +187,12 @@ def _gpu_devices(inventory: Inventory, gpu: Gpu, partitioned: bool, owned: Colle
         return GpuDevices(devices=whole + static_devices)
 
     taken = [(m.profile, m.placement) for m in static] + list(gpu.reserved_placements)
-    budget = partition_budget(gpu.mig_profiles, gpu.memory_slices, taken)
+    totals = gpu_totals(gpu)
+    budget = partition_budget(gpu.mig_profiles, gpu.memory_slices, totals, taken)
     if not budget.offered:
         return GpuDevices(devices=static_devices)
-    capacities = dict(budget.capacities)
-    if not gpu.mig_enabled:
-        # The full GPU is offered too and consumes everything, so its own totals must fit.
-        capacities["multiprocessors"] = max(capacities["multiprocessors"], gpu.multiprocessors)
-        capacities["memory"] = max(capacities["memory"], gpu.memory_bytes)
+    # The full GPU, when offered, consumes everything the GPU has; every MIG layout fits in that.
+    capacities = dict(budget.capacities) if gpu.mig_enabled else totals
     counter_set: CounterSet = {
         "name": require_dns_label(counter_set_name(gpu.minor), "counter set name"),
         "counters": {
@@ -278,12 +287,19 @@ def maintenance_device(inventory: Inventory, gpu: Gpu) -> Device:
 
 
 def _full_gpu(gpu: Gpu, common: dict[str, DeviceAttribute]) -> Device:
-    capacity = {"memory": _capacity(gpu.memory_bytes), "multiprocessors": _capacity(gpu.multiprocessors)}
+    """The whole GPU, with what it has (:func:`gpu_totals`): what its counter-set consumption is too.
+
+    NVIDIA's driver (with its DynamicMIG gate) gives a MIG-capable GPU the largest of each engine
+    count its profiles have, as this one does; its memory and SMs are the GPU's own, where
+    NVIDIA's are the largest profile's too (the same on hardware, not on every NVML table).
+    """
+    totals = gpu_totals(gpu)
+    capacity = {
+        "memory": _capacity(totals["memory"]),
+        "multiprocessors": _capacity(totals["multiprocessors"]),
+    }
     if gpu.mig_profiles:
-        # NVIDIA's driver (with its DynamicMIG gate) gives a MIG-capable GPU the largest of each
-        # engine count its profiles have: the GPU whole has at least what its largest part has.
-        for name, count in _ENGINE_CAPACITIES.items():
-            capacity[name] = _capacity(max(count(p) for p in gpu.mig_profiles))
+        capacity |= {name: _capacity(totals[counter]) for counter, name in _ENGINE_CAPACITIES.items()}
     return {
         "name": require_dns_label(gpu_device_name(gpu.minor), "device name"),
         "attributes": {"type": {"string": "gpu"}, "uuid": {"string": gpu.uuid}, **common},
@@ -291,12 +307,13 @@ def _full_gpu(gpu: Gpu, common: dict[str, DeviceAttribute]) -> Device:
     }
 
 
-_ENGINE_CAPACITIES: dict[str, Callable[[MigProfile], int]] = {
-    "copyEngines": lambda p: p.copy_engines,
-    "decoders": lambda p: p.decoders,
-    "encoders": lambda p: p.encoders,
-    "jpegEngines": lambda p: p.jpeg_engines,
-    "ofaEngines": lambda p: p.ofa_engines,
+# Engine counter -> the capacity that carries its count on a device (counters are DNS labels).
+_ENGINE_CAPACITIES: dict[str, str] = {
+    "copy-engines": "copyEngines",
+    "decoders": "decoders",
+    "encoders": "encoders",
+    "jpeg-engines": "jpegEngines",
+    "ofa-engines": "ofaEngines",
 }
 
 

@@ -29,6 +29,7 @@ package main
 //	fabric GPU|all [cluster=UUID] [clique=N] [state=unsupported|not-started|in-progress|completed] [status=CODE]
 //	                                   the GPU's NVLink fabric registration (fabric.go)
 //	addressing GPU|all none|hmm|ats|unsupported   its memory addressing mode
+//	virtualization GPU|all none|passthrough|vgpu|host-vgpu|host-vsga   its virtualization mode
 //	renumber on|off                    MIG-mode switches reset the GPU: its minor number changes and
 //	                                   its event registrations are lost
 //
@@ -322,6 +323,8 @@ func (s *State) run(args []string) (string, error) {
 		return "", nil
 	case "fabric", "addressing":
 		return s.runFabric(args)
+	case "virtualization":
+		return s.runVirtualization(args)
 	case "clear-faults":
 		s.Faults = nil
 		return "", nil

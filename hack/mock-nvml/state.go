@@ -82,6 +82,8 @@ type Gpu struct {
 	Events     []Event       `json:"events,omitempty"`
 	Fabric     *Fabric       `json:"fabric,omitempty"`     // nil: fabric info NOT_SUPPORTED (fabric.go)
 	Addressing string        `json:"addressing,omitempty"` // none, hmm, ats; else NOT_SUPPORTED
+	// nvmlDeviceGetVirtualizationMode (virtualization.go): none, passthrough, vgpu, ...; "": none.
+	Virtualization string `json:"virtualization,omitempty"`
 
 	// Compute mode (nvmlComputeMode_t) and time slice (0-3) of compute.go.
 	ComputeMode int `json:"computeMode,omitempty"`

@@ -16,10 +16,15 @@ LIB = "usr/lib64"  # a RHEL host: the hook's ldcache update makes Debian images 
 INVENTORY = Inventory(gpus=(), driver_version=VERSION, cuda_driver_version=(13, 0))
 
 
-def _driver_root(root: Path, *extra: str) -> Path:
+# The command names a Go build of NVIDIA's nvidia-cdi-hook carries, v1.18 and a v1.17.
+NEW_HOOK = b"\x7fELF create-symlinks enable-cuda-compat update-ldcache disable-device-node-modification chmod"
+OLD_HOOK = b"\x7fELF create-symlinks update-ldcache chmod"
+
+
+def _driver_root(root: Path, *extra: str, hook: bytes = NEW_HOOK) -> Path:
     for relative in (f"{LIB}/libcuda.so.{VERSION}", f"{LIB}/libnvidia-ml.so.{VERSION}", *extra):
         (root / relative).parent.mkdir(parents=True, exist_ok=True)
-        (root / relative).write_bytes(b"\x7fELF")
+        (root / relative).write_bytes(hook if relative.endswith("nvidia-cdi-hook") else b"\x7fELF")
     return root
 
 
@@ -31,17 +36,34 @@ def test_the_hook_in_the_driver_root_is_used_by_its_host_path(tmp_path: Path) ->
     seen_at = _driver_root(tmp_path / "driver-root", "usr/bin/nvidia-cdi-hook")
     settings = _settings(driver_root=Path("/run/nvidia/driver"), driver_root_mount=seen_at)
     hooks = edits_for(settings, INVENTORY).hooks
-    assert [hook.path for hook in hooks] == ["/run/nvidia/driver/usr/bin/nvidia-cdi-hook"] * 2
-    assert hooks[-1].args == ("nvidia-cdi-hook", "update-ldcache", "--folder", f"/{LIB}")
+    assert [hook.path for hook in hooks] == ["/run/nvidia/driver/usr/bin/nvidia-cdi-hook"] * 4
+    assert [hook.args[1] for hook in hooks] == [
+        "create-symlinks",
+        "enable-cuda-compat",
+        "update-ldcache",
+        "disable-device-node-modification",
+    ]
+    assert hooks[2].args == ("nvidia-cdi-hook", "update-ldcache", "--folder", f"/{LIB}")
+
+
+def test_a_hook_older_than_toolkit_1_18_gets_only_the_commands_it_has(tmp_path: Path) -> None:
+    """A command the host's hook lacks would fail the hook, and the runtime would not start the container."""
+    seen_at = _driver_root(tmp_path / "driver-root", "usr/bin/nvidia-cdi-hook", hook=OLD_HOOK)
+    settings = _settings(driver_root=Path("/run/nvidia/driver"), driver_root_mount=seen_at)
+    assert [hook.args[1] for hook in edits_for(settings, INVENTORY).hooks] == [
+        "create-symlinks",
+        "update-ldcache",
+    ]
 
 
 def test_a_configured_hook_path_wins_and_without_one_there_are_no_hooks(tmp_path: Path) -> None:
     root = _driver_root(tmp_path / "driver-root")
     assert edits_for(_settings(driver_root=root), INVENTORY).hooks == ()
     configured = _settings(driver_root=root, nvidia_cdi_hook_path="/usr/local/nvidia/toolkit/nvidia-cdi-hook")
-    assert {h.path for h in edits_for(configured, INVENTORY).hooks} == {
-        "/usr/local/nvidia/toolkit/nvidia-cdi-hook"
-    }
+    hooks = edits_for(configured, INVENTORY).hooks
+    assert {h.path for h in hooks} == {"/usr/local/nvidia/toolkit/nvidia-cdi-hook"}
+    # That path is not readable here, so only what every hook version has is run.
+    assert [hook.args[1] for hook in hooks] == ["create-symlinks", "update-ldcache"]
 
 
 def test_video_libraries_are_mounted_by_setting(tmp_path: Path) -> None:

@@ -156,9 +156,26 @@ def test_hooks_make_the_mounted_libraries_loadable(common: CommonEdits) -> None:
         {
             "hookName": "createContainer",
             "path": HOOK,
+            "args": ["nvidia-cdi-hook", "enable-cuda-compat", "--host-driver-version=580.95.05"],
+        },
+        {
+            "hookName": "createContainer",
+            "path": HOOK,
             "args": ["nvidia-cdi-hook", "update-ldcache", "--folder", LIB],
         },
+        {
+            "hookName": "createContainer",
+            "path": HOOK,
+            "args": ["nvidia-cdi-hook", "disable-device-node-modification"],
+        },
     ]
+
+
+def test_an_older_hook_runs_only_the_commands_it_has() -> None:
+    edits = common_edits(
+        INVENTORY, DRIVER_FILES, hook_path=HOOK, hook_commands=("create-symlinks", "update-ldcache")
+    )
+    assert [hook.args[1] for hook in edits.hooks] == ["create-symlinks", "update-ldcache"]
 
 
 def test_no_hook_binary_means_no_hooks() -> None:
@@ -337,7 +354,7 @@ def test_the_hook_adds_nvidias_glx_and_optical_flow_links() -> None:
     )
     files = DriverFiles(PurePosixPath(DRIVER_ROOT), version, libraries, (), None)
     inventory = Inventory(gpus=(), driver_version=version, cuda_driver_version=(13, 0))
-    (links, ldcache) = common_edits(inventory, files, hook_path=HOOK).hooks
+    (links, _compat, ldcache, _nodes) = common_edits(inventory, files, hook_path=HOOK).hooks
     assert links.args == (
         "nvidia-cdi-hook",
         "create-symlinks",

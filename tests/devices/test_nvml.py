@@ -9,8 +9,10 @@ through the mock's control interface (tests/mock_nvml.py).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -25,6 +27,7 @@ from structlog.testing import capture_logs
 
 from dra_driver.devices.backend import DeviceError, DeviceInUseError, PlacementUnavailableError
 from dra_driver.devices.backends import open_backend
+from dra_driver.devices.nvcaps import Capability, ensure_node
 from dra_driver.devices.nvml import NvmlBackend
 from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import Placement
@@ -33,6 +36,7 @@ from tests.mock_nvml import (
     CAPS_MAJOR,
     LIBRARY_DIR,
     MockNvml,
+    MockNvmlError,
     install_driver_root,
     install_procfs,
     mock_nvml_library,
@@ -213,6 +217,60 @@ def test_full_gpus_are_described_from_nvidias_data(node: Node) -> None:
     assert first.memory_slices == 7
 
 
+def test_the_counter_set_of_a_mock_h100_holds_no_more_than_the_gpu(node: Node) -> None:
+    """NVIDIA's mock table adds up to 120Gi and 7 decoders on an 80 GB GPU with 5 (issue 22)."""
+    gpu = build_devices(node.backend().inventory())[0]
+    assert gpu.counter_set is not None
+    counters = {name: int(counter["value"]) for name, counter in gpu.counter_set["counters"].items()}
+    full = gpu.devices[0]
+    assert full["name"] == "gpu-0"
+    capacity = {name: int(value["value"]) for name, value in full["capacity"].items()}
+    assert counters["memory"] == capacity["memory"] == 81920 * 2**20
+    assert counters["decoders"] == capacity["decoders"] == 5  # 7g.80gb's, as NVIDIA publishes
+    assert counters["multiprocessors"] == capacity["multiprocessors"] == 132  # what CUDA sees whole
+
+
+def test_the_virtualization_mode_is_bare_metal_unless_set(node: Node) -> None:
+    """NVIDIA's driver asks it before offering dynamic MIG, which a vGPU guest cannot repartition."""
+    node.backend()  # NVML started on the mock
+    first, second = (pynvml.nvmlDeviceGetHandleByIndex(i) for i in (0, 1))
+    assert pynvml.nvmlDeviceGetVirtualizationMode(first) == pynvml.NVML_GPU_VIRTUALIZATION_MODE_NONE
+    node.control("virtualization 1 vgpu")
+    assert pynvml.nvmlDeviceGetVirtualizationMode(second) == pynvml.NVML_GPU_VIRTUALIZATION_MODE_VGPU
+    assert pynvml.nvmlDeviceGetVirtualizationMode(first) == pynvml.NVML_GPU_VIRTUALIZATION_MODE_NONE
+    with pytest.raises(MockNvmlError, match="not none, passthrough"):
+        node.control("virtualization 0 sriov")
+
+
+def test_every_call_of_nvidias_dynamic_mig_path_answers(node: Node) -> None:
+    """The NVML calls NVIDIA's gpu-kubelet-plugin makes to offer and create a MIG device
+    (isDynamicMIGCapable, createMigDevice in cmd/gpu-kubelet-plugin/nvlib.go), in its order."""
+    node.backend()
+    gpu = pynvml.nvmlDeviceGetHandleByUUID(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(0)))
+    assert pynvml.nvmlDeviceGetVirtualizationMode(gpu) == pynvml.NVML_GPU_VIRTUALIZATION_MODE_NONE
+    assert pynvml.nvmlDeviceGetArchitecture(gpu) == pynvml.NVML_DEVICE_ARCH_HOPPER
+    pynvml.nvmlDeviceSetMigMode(gpu, pynvml.NVML_DEVICE_MIG_ENABLE)
+    info = pynvml.nvmlDeviceGetGpuInstanceProfileInfo(gpu, ONE_G)
+    placement = pynvml.c_nvmlGpuInstancePlacement_t(2, 1)
+    gpu_instance = pynvml.nvmlDeviceCreateGpuInstanceWithPlacement(gpu, info.id, ctypes.pointer(placement))
+    assert pynvml.nvmlGpuInstanceGetInfo(gpu_instance).placement.start == 2
+    ci_info = pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+        gpu_instance,
+        pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE,
+        pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+    )
+    compute_instance = pynvml.nvmlGpuInstanceCreateComputeInstance(gpu_instance, ci_info.id)
+    # nvml.h documents the compute instance's `device` as its parent GPU, and so the mock answers;
+    # NVIDIA's plugin reads the new MIG device's UUID from it (see docs/mock-nvml.md).
+    parent = pynvml.nvmlComputeInstanceGetInfo(compute_instance).device
+    assert pynvml.nvmlDeviceGetUUID(parent) == pynvml.nvmlDeviceGetUUID(gpu)
+    mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 0)
+    assert pynvml.nvmlDeviceGetUUID(mig).startswith("MIG-")
+    pynvml.nvmlComputeInstanceDestroy(compute_instance)
+    pynvml.nvmlGpuInstanceDestroy(gpu_instance)
+    pynvml.nvmlDeviceSetMigMode(gpu, pynvml.NVML_DEVICE_MIG_DISABLE)
+
+
 def test_ampere_needs_a_reset_for_mig_mode(make_node: Callable[..., Node]) -> None:
     (a100,) = make_node("dgxa100:1").backend().inventory().gpus
     assert (a100.architecture, a100.mig_mode_change_requires_reset) == ("Ampere", True)
@@ -336,6 +394,37 @@ def test_hopper_switches_mig_mode_on_creates_the_placement_and_switches_it_off_a
     assert shown.mig_devices == (created,)
     backend.destroy_mig_device(gpu.uuid, created.uuid)
     assert (node.gpu_state(0)["migCurrent"], node.gpu_state(0)["gpuInstances"]) == (0, [])
+
+
+def test_a_created_mig_device_gets_its_capability_nodes_on_the_host(node: Node) -> None:
+    """The host's /dev/nvidia-caps is empty at start, as on a host where nvidia-modprobe never ran."""
+    caps = node.root / "dev" / "nvidia-caps"
+    assert not caps.exists()
+    backend = node.backend()
+    gpu = backend.inventory().gpus[0]
+    created = backend.create_mig_device(gpu.uuid, ONE_G, Placement(3, 1))
+    assert len(created.cap_nodes) == 2
+    for cap in created.cap_nodes:
+        assert cap.host_path is None  # the CDI spec names the container path only, as NVIDIA's does
+        host = node.root / cap.path.removeprefix("/")
+        info = host.lstat()
+        assert stat.S_ISCHR(info.st_mode), host
+        assert (os.major(info.st_rdev), os.minor(info.st_rdev)) == (CAPS_MAJOR, cap.minor)
+        assert stat.S_IMODE(info.st_mode) == 0o444  # DeviceFileMode 292 in the access file
+    # The same device read again (e.g. after a restart) names the same nodes.
+    (again,) = backend.inventory().gpus[0].mig_devices
+    assert again.cap_nodes == created.cap_nodes
+
+
+def test_capability_nodes_that_exist_or_may_not_be_modified_are_left_alone(tmp_path: Path) -> None:
+    existing = Capability(minor=7, mode=0o444, modify=True)
+    host = tmp_path / "dev" / "nvidia-caps" / "nvidia-cap7"
+    host.parent.mkdir(parents=True)
+    host.write_text("an administrator's")
+    assert not ensure_node(tmp_path, existing, CAPS_MAJOR)
+    assert host.read_text() == "an administrator's"
+    assert not ensure_node(tmp_path, Capability(minor=8, mode=0o444, modify=False), CAPS_MAJOR)
+    assert not (host.parent / "nvidia-cap8").exists()
 
 
 def test_mig_mode_an_administrator_enabled_stays_after_the_last_destroy(node: Node) -> None:

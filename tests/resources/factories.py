@@ -165,3 +165,27 @@ def inventories(draw: st.DrawFn, max_gpus: int = 16) -> Inventory:
             gpu = with_mig_devices(gpu, mig_device(gpu, profile.name, start))
         gpus.append(gpu)
     return inventory(*gpus)
+
+
+# NVIDIA's go-nvml mock of an H100 (pkg/nvml/mock/gpus/h100.go), which the mock libnvidia-ml.so.1
+# serves: a table that does not add up. 1g.20gb sits on one memory slice at every start, so
+# 3g.40gb beside four of them would be 120Gi; seven 1g.10gb have 7 decoders, 7g.80gb has 5.
+MOCK_H100_PROFILES = (
+    _profile("1g.10gb", 0x0, 0x0, 1, 7, 10240, (16, 1, 1, 0, 0, 0), 1, (0, 1, 2, 3, 4, 5, 6)),
+    _profile("1g.10gb+me", 0x7, 0x7, 1, 1, 10240, (16, 1, 1, 0, 1, 1), 1, (0, 1, 2, 3, 4, 5, 6)),
+    _profile("1g.20gb", 0x9, 0x9, 1, 4, 20480, (16, 1, 1, 0, 0, 0), 1, (0, 1, 2, 3, 4, 5, 6)),
+    _profile("2g.20gb", 0x1, 0x1, 2, 3, 20480, (32, 2, 1, 0, 0, 0), 2, (0, 2, 4)),
+    _profile("3g.40gb", 0x2, 0x2, 3, 2, 40960, (48, 3, 2, 0, 0, 0), 3, (0, 4)),
+    _profile("4g.40gb", 0x3, 0x3, 4, 1, 40960, (64, 4, 2, 0, 0, 0), 4, (0,)),
+    _profile("7g.80gb", 0x4, 0x4, 7, 1, 81920, (112, 7, 5, 0, 0, 0), 7, (0,)),
+)
+
+
+def mock_h100(minor: int = 0, *, mig_enabled: bool = False) -> Gpu:
+    """An H100 as the mock NVML reports it: NVIDIA's mock table, the catalog's 132 SMs."""
+    return replace(
+        h100(minor, mig_enabled=mig_enabled),
+        memory_bytes=81920 * MIB,
+        memory_slices=7,
+        mig_profiles=MOCK_H100_PROFILES,
+    )

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 from collections import Counter as Tally
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from dra_driver.devices.types import Gpu, MigProfile, Placement
+from dra_driver.devices.types import Gpu, MigDevice, MigProfile, Placement
 from dra_driver.resources.devices import build_devices
 from dra_driver.resources.naming import mig_device_name
-from dra_driver.resources.partitions import partition_budget
+from dra_driver.resources.partitions import gpu_totals, partition_budget
 from dra_driver.resources.wire import CounterSet, Device
 
-from .factories import a100_40gb, h100, inventory, mig_device, with_mig_devices
+from .factories import a100_40gb, h100, inventory, mig_device, mock_h100, with_mig_devices
 
 Instance = tuple[MigProfile, Placement]
 
@@ -156,4 +159,145 @@ def test_two_media_extension_instances_do_not_fit_although_their_slices_are_disj
 
 
 def test_the_budget_is_computed_once_per_profile_table() -> None:
-    assert partition_budget(h100(0).mig_profiles, 8) is partition_budget(h100(5).mig_profiles, 8)
+    first, sixth = h100(0), h100(5)
+    assert partition_budget(first.mig_profiles, 8, gpu_totals(first)) is partition_budget(
+        sixth.mig_profiles, 8, gpu_totals(sixth)
+    )
+
+
+# --- the counters never add up to more than the GPU, whatever NVML's table says ---------------
+
+
+def what_the_gpu_has(gpu: Gpu) -> dict[str, int]:
+    """The GPU as a user reads it: NVML's memory and SMs; an engine count, its largest profile's."""
+    engines = {
+        "copyEngines": "copy_engines",
+        "decoders": "decoders",
+        "encoders": "encoders",
+        "jpegEngines": "jpeg_engines",
+        "ofaEngines": "ofa_engines",
+    }
+    largest = {name: max(getattr(p, field) for p in gpu.mig_profiles) for name, field in engines.items()}
+    sms = gpu.multiprocessors or max(p.multiprocessors for p in gpu.mig_profiles)
+    return largest | {"memory": gpu.memory_bytes, "multiprocessors": sms}
+
+
+def capacity_of(device: Device) -> dict[str, int]:
+    return {name: int(value["value"]) for name, value in device["capacity"].items()}
+
+
+def fitting_sets(counter_set: CounterSet, devices: Sequence[Device]) -> Iterator[list[Device]]:
+    """Every set of ``devices`` the scheduler could allocate together, by their counters."""
+    left = {name: int(counter["value"]) for name, counter in counter_set["counters"].items()}
+
+    def walk(start: int, chosen: list[Device]) -> Iterator[list[Device]]:
+        yield chosen
+        for i in range(start, len(devices)):
+            [consumption] = devices[i]["consumesCounters"]
+            taken = {name: int(counter["value"]) for name, counter in consumption["counters"].items()}
+            if all(left[name] >= amount for name, amount in taken.items()):
+                for name, amount in taken.items():
+                    left[name] -= amount
+                yield from walk(i + 1, [*chosen, devices[i]])
+                for name, amount in taken.items():
+                    left[name] += amount
+
+    return walk(0, [])
+
+
+@st.composite
+def nvml_tables(draw: st.DrawFn) -> Gpu:
+    """An H100 whose NVML reports any memory, SM count and MIG profile table at all."""
+    slices = draw(st.integers(1, 6))
+    profiles = []
+    for number in range(draw(st.integers(1, 3))):
+        size = draw(st.integers(1, slices))
+        starts = draw(st.lists(st.integers(0, slices - size), min_size=1, max_size=slices, unique=True))
+        profiles.append(
+            MigProfile(
+                name=f"{number + 1}g.{number}gb",
+                profile_id=number,
+                nvml_profile=number,
+                compute_slices=size,
+                instance_count=draw(st.integers(1, 4)),
+                memory_mib=draw(st.integers(1, 100_000)),
+                multiprocessors=draw(st.integers(0, 200)),
+                copy_engines=draw(st.integers(0, 8)),
+                decoders=draw(st.integers(0, 8)),
+                encoders=draw(st.integers(0, 8)),
+                jpeg_engines=draw(st.integers(0, 8)),
+                ofa_engines=draw(st.integers(0, 2)),
+                placements=tuple(Placement(start, size) for start in sorted(starts)),
+            )
+        )
+    gpu = replace(
+        h100(0, mig_enabled=draw(st.booleans())),
+        memory_bytes=draw(st.integers(1, 100_000)) * 2**20,
+        multiprocessors=draw(st.integers(0, 200)),  # 0: NVML gave no count, nor the catalog
+        memory_slices=slices,
+        mig_profiles=tuple(profiles),
+    )
+    if gpu.mig_enabled and draw(st.booleans()):  # an administrator's MIG device stays on it
+        profile = draw(st.sampled_from(profiles))
+        placement = draw(st.sampled_from(profile.placements))
+        static = MigDevice(
+            uuid="MIG-00000000-aaaa-bbbb-cccc-ddddeeeeffff",
+            parent_uuid=gpu.uuid,
+            profile=profile.name,
+            profile_id=profile.profile_id,
+            placement=placement,
+            gpu_instance_id=1,
+            compute_instance_id=0,
+        )
+        gpu = with_mig_devices(gpu, static)
+    return gpu
+
+
+@settings(max_examples=150, deadline=None)
+@given(nvml_tables())
+def test_no_set_of_devices_that_fits_the_counters_exceeds_the_gpu(gpu: Gpu) -> None:
+    [result] = build_devices(inventory(gpu))
+    has = what_the_gpu_has(gpu)
+    devices = {device["name"]: device for device in result.devices}
+    if "gpu-0" in devices:
+        assert capacity_of(devices["gpu-0"]) == has  # the full GPU claims what the GPU has
+    static = [
+        device for device in result.devices if "uuid" in device["attributes"] and "mig" in device["name"]
+    ]
+    always_there = Tally[str]()
+    for device in static:
+        always_there.update(capacity_of(device))
+    if result.counter_set is None:
+        return
+    consumers = [device for device in result.devices if "consumesCounters" in device]
+    for chosen in fitting_sets(result.counter_set, consumers):
+        used = Tally[str](always_there)
+        for device in chosen:
+            used.update({name: amount for name, amount in capacity_of(device).items() if name in has})
+        assert all(used[name] <= has[name] for name in has), ([d["name"] for d in chosen], dict(used), has)
+    for device in consumers:  # each offered device can be allocated on its own
+        assert fits(result.counter_set, [device]), device["name"]
+
+
+def test_on_nvidias_mock_h100_the_counters_hold_what_the_gpu_has() -> None:
+    gpu = mock_h100(0)
+    counter_set, devices = published(gpu)
+    counters = {name: int(counter["value"]) for name, counter in counter_set["counters"].items()}
+    # Not 120Gi (3g.40gb beside four 1g.20gb by NVML's table) nor 7 decoders (seven 1g.10gb).
+    assert (counters["memory"], counters["decoders"], counters["multiprocessors"]) == (80 * 2**30, 5, 132)
+    assert devices["gpu-0"]["consumesCounters"][0]["counters"]["memory"] == {"value": str(80 * 2**30)}
+    three_g = devices["gpu-0-mig-3g40gb-2-4"]
+    twenty = [devices[f"gpu-0-mig-1g20gb-9-{start}"] for start in range(4)]
+    assert fits(counter_set, [three_g, *twenty[:2]])  # 80Gi: what the GPU has
+    assert not fits(counter_set, [three_g, *twenty[:3]])  # 100Gi: NVML would create it, the GPU has not
+    five = [devices[f"gpu-0-mig-1g10gb-0-{start}"] for start in range(6)]
+    assert fits(counter_set, five[:5])
+    assert not fits(counter_set, five)  # a sixth decoder the whole GPU (7g.80gb) does not have
+
+
+def test_a_profile_larger_than_the_gpu_is_not_offered() -> None:
+    gpu = mock_h100(0)
+    bigger = replace(gpu.mig_profiles[-1], memory_mib=90_000)  # 7g.80gb with more than the GPU's 80Gi
+    counter_set, devices = published(replace(gpu, mig_profiles=(*gpu.mig_profiles[:-1], bigger)))
+    assert "gpu-0-mig-7g80gb-4-0" not in devices
+    assert int(counter_set["counters"]["memory"]["value"]) == 80 * 2**30

@@ -78,7 +78,7 @@ admin-access requests may use (templates/maintenance.yaml).
 The optional features, after featureGates (docs/configuration.md, "Feature gates"), as YAML for
 fromYaml: computeDomains, maintenanceDevices and nodeLabels (booleans) and migPartitions. A gate
 that is set wins over the value it is named after (NodeLabels -> nodeLabels); NVIDIA's DynamicMIG
-maps to migPartitions (false: none; true: the value, or all where it is none). NVIDIA's gates for
+maps to migPartitions (false: none; true: the list of GPUs, or else all). NVIDIA's gates for
 what this driver always does, or never does, are accepted where they agree and refused with the
 reason where they do not, so a values file written for NVIDIA's chart never silently means less.
 */}}
@@ -93,7 +93,7 @@ reason where they do not, so a values file written for NVIDIA's chart never sile
 {{- if hasKey $gates "DynamicMIG" -}}
 {{- if not $gates.DynamicMIG -}}
 {{- $_ := set $features "migPartitions" "none" -}}
-{{- else if eq .Values.migPartitions "none" -}}
+{{- else if has .Values.migPartitions (list "none" "auto" "mig-mode") -}}
 {{- $_ := set $features "migPartitions" "all" -}}
 {{- end -}}
 {{- end -}}
