@@ -46,7 +46,7 @@ environment variables::
 (``<DEVICE>`` as in the CDI spec's ``DRA_GPU_UUID_<DEVICE>``: ``gpu-0`` -> ``GPU_0``;
 per device, because a container may hold devices with different settings.) What they
 change on the GPU -- compute mode and time slice, and an MPS control daemon per claim
-whose pipe, log and shm directories and ``CUDA_MPS_*`` limits every container gets --
+whose pipe and shm directories and ``CUDA_MPS_*`` limits every container gets --
 is planned by :mod:`dra_driver.node.sharing.policy` from this plan, before anything is
 changed, and applied and undone by :mod:`dra_driver.node.sharing.applier`
 (docs/sharing.md).

@@ -219,7 +219,8 @@ async def test_mps_runs_a_daemon_per_claim_in_exclusive_process_mode(node: Node)
     mounts = claim_mounts(node, ref.uid)
     assert mounts["/tmp/nvidia-mps"]["hostPath"] == str(paths.pipe)
     assert mounts["/dev/shm"]["hostPath"] == str(paths.shm)
-    assert mounts["/var/log/nvidia-mps"]["hostPath"] == str(paths.log)
+    assert "/var/log/nvidia-mps" not in mounts  # the daemon's log: written by it, not by clients
+    assert "CUDA_MPS_LOG_DIRECTORY" not in env
 
     assert (await preparer.unprepare([ref]))[ref.uid] is None
     assert node.mps.pid(daemon) is None
