@@ -109,7 +109,7 @@ async def test_a_daemon_that_fails_to_start_says_why(
         await daemons.wait_ready(spec, timeout_s=30)
 
 
-def test_every_container_gets_the_pipe_and_shm_and_the_client_limits_but_not_the_log(backend: SimulatedBackend) -> None:
+def test_containers_get_the_pipe_shm_and_client_limits_not_the_log(backend: SimulatedBackend) -> None:
     spec = spec_for(backend)
     env = dict(container_env(spec))
     assert env == {

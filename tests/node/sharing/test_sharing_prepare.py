@@ -53,7 +53,9 @@ def claim_mounts(node: Node, uid: str) -> dict[str, dict[str, Any]]:
 
 
 def time_sliced(interval: str, source: str = "FromClaim") -> dict[str, Any]:
-    return opaque(gpu_config({"strategy": "TimeSlicing", "timeSlicing": {"interval": interval}}), source=source)
+    return opaque(
+        gpu_config({"strategy": "TimeSlicing", "timeSlicing": {"interval": interval}}), source=source
+    )
 
 
 def mps(**settings: Any) -> dict[str, Any]:
