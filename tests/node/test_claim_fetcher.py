@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from dra_driver.node.claim_fetcher import names_missing_claim
+from dra_driver.bounded_json import MAX_DEPTH
+from dra_driver.node.claim_fetcher import ApiServerClaimFetcher, ClaimFetchError, names_missing_claim
 
 MISSING_CLAIM = (
     b'{"kind":"Status","apiVersion":"v1","metadata":{},"status":"Failure",'
@@ -30,3 +31,23 @@ def test_missing_claim_is_recognized() -> None:
 @pytest.mark.parametrize("body", [UNSERVED_VERSION, b"404 page not found\n", b"", b"[]", b'{"details": []}'])
 def test_unserved_version_is_not_a_missing_claim(body: bytes) -> None:
     assert not names_missing_claim(body)
+
+
+async def test_a_claim_whose_config_nests_3000_levels_is_refused_with_the_limit() -> None:
+    parameters = '{"a":' * 3000 + "1" + "}" * 3000
+    body = (
+        '{"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "deep"}, '
+        '"status": {"allocation": {"devices": {"config": [{"opaque": {"parameters": ' + parameters + "}}]}}}}"
+    ).encode()
+
+    class Answering(ApiServerClaimFetcher):
+        async def _get(self, version: str, namespace: str, name: str) -> tuple[int, bytes]:
+            return 200, body
+
+    with pytest.raises(ClaimFetchError) as refused:
+        await Answering(api_client=None).get("default", "deep")  # type: ignore[arg-type]
+    assert str(refused.value) == (
+        "GET resource.k8s.io/v1 ResourceClaim default/deep: the claim nests JSON deeper than "
+        f"{MAX_DEPTH} levels, the most the driver decodes (an opaque config of this driver nests at most 5); "
+        "flatten the config's parameters"
+    )
