@@ -67,7 +67,7 @@ from dra_driver.resources.taints import (
 )
 from dra_driver.resources.wire import DeviceTaint
 from dra_driver.rest import JsonApi
-from dra_driver.settings import Settings, TaintsOnRecovery, partition_gpus, xid_numbers
+from dra_driver.settings import Settings, TaintsOnRecovery, partition_gpus, shm_size_bytes, xid_numbers
 from dra_driver.startup import check_mig_partitions, load_kube_configuration, start_status_server
 
 if TYPE_CHECKING:  # only for the annotations: dra_driver.kube imports the client's machinery
@@ -438,6 +438,7 @@ def mps_daemons(settings: Settings, api: ApiClient) -> MpsDaemons | None:
         image=settings.mps_daemon_image,
         driver_root=str(settings.driver_root),
         root=settings.state_dir / "mps",
+        shm_size_bytes=shm_size_bytes(settings.mps_shm_size) if settings.mps_shm_size else None,
     )
 
 

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from dra_driver.devices.driver_root import parse_capabilities
 from dra_driver.devices.faults import APPLICATION_XIDS, GPU_LOST_XIDS
 from dra_driver.devices.sim_nodes import NODE_PROFILES
+from dra_driver.resources.quantity import parse_quantity
 from dra_driver.resources.taints import TaintEffect
 
 ENV_PREFIX = "DRA_"
@@ -90,6 +91,14 @@ class Settings(BaseModel):
         Field(
             description="Image of the MPS control daemon pods (it needs only a shell: the daemon runs "
             "from the driver root); unset on a real node: MPS claims are refused."
+        ),
+    ] = ""
+    mps_shm_size: Annotated[
+        str,
+        Field(
+            description="Size of the tmpfs each MPS control daemon and its clients share as /dev/shm, a "
+            "quantity (e.g. 4Gi); empty: half the node's memory, NVIDIA's size. A tenant's writes there "
+            "count against that tenant's memory limit."
         ),
     ] = ""
     simulate: Annotated[
@@ -386,6 +395,13 @@ class Settings(BaseModel):
             return keyword
         return ",".join(partition_gpus(value))
 
+    @field_validator("mps_shm_size")
+    @classmethod
+    def _shm_size_is_a_quantity(cls, value: str) -> str:
+        if value and shm_size_bytes(value) < 2**20:
+            raise ValueError(f"{value!r} is less than 1Mi; MPS needs room in /dev/shm")
+        return value
+
     @field_validator("ignored_xids", "gpu_lost_xids")
     @classmethod
     def _xid_list(cls, value: str) -> str:
@@ -394,6 +410,17 @@ class Settings(BaseModel):
     @property
     def state_dir(self) -> Path:
         return self.data_dir or self.plugins_dir / self.driver_name
+
+
+def shm_size_bytes(value: str) -> int:
+    """``--mps-shm-size`` in bytes; ValueError naming the setting when it is no memory quantity."""
+    try:
+        size = parse_quantity(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a memory quantity such as 4Gi or 512Mi") from None
+    if size.denominator != 1 or size < 0:
+        raise ValueError(f"{value!r} is not a whole number of bytes")
+    return int(size)
 
 
 def environment_settings(environ: Mapping[str, str]) -> dict[str, str]:

@@ -22,8 +22,9 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
+from dra_driver import bounded_json
 from dra_driver.informer import list_and_watch
-from dra_driver.node.admission import review
+from dra_driver.node.admission import refusal, review
 from dra_driver.resources.capacity_fit import OfferIndex
 from dra_driver.rest import Json, JsonApi
 
@@ -38,10 +39,13 @@ _RETRY_S = 5.0  # after a failed list or watch (an outage, a missing permission)
 def webhook_app(driver_name: str, offers: OfferIndex | None = None) -> web.Application:
     async def validate(request: web.Request) -> web.Response:
         try:
-            body = await request.json()
+            body, pruned = bounded_json.loads_pruned(await request.read())
         except ValueError:
             return web.json_response({"error": "the body is not JSON"}, status=400)
-        answer = review(body, driver_name, offers)
+        if pruned:  # answered, refusing: the request's uid is near the top, the deep part is not read
+            answer = refusal(body, bounded_json.too_deep_message("the object"))
+        else:
+            answer = review(body, driver_name, offers)
         if not answer["response"]["allowed"]:
             asked = body.get("request") or {} if isinstance(body, dict) else {}
             log.info(

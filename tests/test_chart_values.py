@@ -450,8 +450,14 @@ def test_host_directories_appear_at_their_host_paths(
 ) -> None:
     manifests = render(helm, values_file=values_file)
     spec = pod_spec(manifests)
-    host_paths = {volume["name"]: volume["hostPath"]["path"] for volume in spec["volumes"]}
-    mounts = {mount["mountPath"]: mount["name"] for mount in spec["containers"][0]["volumeMounts"]}
+    host_paths = {
+        volume["name"]: volume["hostPath"]["path"] for volume in spec["volumes"] if "hostPath" in volume
+    }
+    mounts = {
+        mount["mountPath"]: mount["name"]
+        for mount in spec["containers"][0]["volumeMounts"]
+        if mount["name"] in host_paths
+    }
     settings = settings_from_env(plugin_env(manifests), monkeypatch, **DOWNWARD)
     # The driver root is the one exception: the host's / cannot appear at / in a container, so
     # it is mounted where DRA_DRIVER_ROOT_MOUNT tells the daemon to look.
@@ -461,7 +467,40 @@ def test_host_directories_appear_at_their_host_paths(
 
     for directory in (settings.state_dir, settings.registry_dir, settings.cdi_dir):
         assert str(directory) in mounts, f"{directory} is not mounted from the host"
-    assert spec["containers"][0]["securityContext"] == {"privileged": True}
+    assert spec["containers"][0]["securityContext"] == {
+        "privileged": True,
+        "readOnlyRootFilesystem": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def test_the_plugin_writes_only_its_own_host_directories_and_propagates_the_mps_tmpfs(helm: Path) -> None:
+    """A read-only root; writable host paths: its own directory, the kubelet's registry (its
+    registration socket) and the CDI directory (its specs); the MPS daemons' /dev/shm tmpfs,
+    mounted under its own directory, reaches the host (issue 21: else clients bind the disk)."""
+    manifests = render(helm, {"mpsShmSize": "2Gi"})
+    spec = pod_spec(manifests)
+    volumes = {volume["name"]: volume for volume in spec["volumes"]}
+    (container,) = spec["containers"]
+    writable = {
+        volumes[mount["name"]]["hostPath"]["path"]
+        for mount in container["volumeMounts"]
+        if "hostPath" in volumes[mount["name"]] and not mount.get("readOnly")
+    }
+    assert writable == {
+        "/var/lib/kubelet/plugins/gpu.dra-driver.dev",
+        "/var/lib/kubelet/plugins/compute-domain.dra-driver.dev",
+        "/var/lib/kubelet/plugins_registry",
+        "/var/run/cdi",
+    }
+    by_path = {mount["mountPath"]: mount for mount in container["volumeMounts"]}
+    assert by_path["/var/lib/kubelet/plugins/gpu.dra-driver.dev"]["mountPropagation"] == "Bidirectional"
+    assert volumes[by_path["/tmp"]["name"]]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Mi"}
+    assert plugin_env(manifests)["DRA_MPS_SHM_SIZE"]["value"] == "2Gi"
+
+    unprivileged = pod_spec(render(helm, {"securityContext": {"privileged": False}}))
+    (mount,) = [m for m in unprivileged["containers"][0]["volumeMounts"] if m["name"] == "plugin-dir"]
+    assert "mountPropagation" not in mount  # refused by the API server without privileged
 
 
 # --- the documentation's examples ---------------------------------------------------------------------

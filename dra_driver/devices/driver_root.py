@@ -69,11 +69,13 @@ DEFAULT_CAPABILITIES = ("compute", "utility")
 COMPUTE_LIBRARIES = LIBRARIES_BY_CAPABILITY["utility"] + LIBRARIES_BY_CAPABILITY["compute"]
 REQUIRED_LIBRARIES = ("libcuda", "libnvidia-ml")
 
+# The driver's tools every container gets. Not the MPS control program (NVIDIA's toolkit mounts
+# it): a container that is an MPS client would use it to `quit` the control daemon its neighbours
+# share. The daemons run it from the driver root themselves.
 BINARIES = (
     "nvidia-smi",
     "nvidia-debugdump",
     "nvidia-persistenced",
-    "nvidia-cuda-mps-control",
     "nvidia-cuda-mps-server",
 )
 

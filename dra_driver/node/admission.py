@@ -124,6 +124,16 @@ def review(
             problems.append(f"opaque config for {driver_name}: " + "; ".join(configs))
         if offers is not None and request.get("operation") == "CREATE":
             problems.extend(capacity_problems(obj, offers))
+    return _answer(request, problems)
+
+
+def refusal(admission_review: Any, message: str) -> dict[str, Any]:
+    """The AdmissionReview response refusing a request for ``message``, whatever its object."""
+    request = admission_review.get("request") if isinstance(admission_review, Mapping) else None
+    return _answer(request if isinstance(request, Mapping) else {}, [message])
+
+
+def _answer(request: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
     response: dict[str, Any] = {"uid": request.get("uid", ""), "allowed": not problems}
     if problems:
         response["status"] = {"code": 422, "reason": "Invalid", "message": "; ".join(problems)}

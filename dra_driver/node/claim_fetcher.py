@@ -16,6 +16,8 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
+from dra_driver import bounded_json
+
 if TYPE_CHECKING:  # only for the annotations: dra_driver.kube imports the client's machinery
     from kubernetes.aio.client import ApiClient
 
@@ -78,7 +80,9 @@ class ApiServerClaimFetcher:
 
 def _decode(body: bytes, what: str) -> Mapping[str, Any]:
     try:
-        claim = json.loads(body)
+        claim = bounded_json.loads(body, "the claim")
+    except bounded_json.TooDeep as error:
+        raise ClaimFetchError(f"{what}: {error}") from None
     except ValueError as error:
         raise ClaimFetchError(f"{what}: the response is not JSON: {error}") from error
     if not isinstance(claim, dict):

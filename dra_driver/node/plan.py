@@ -46,7 +46,7 @@ environment variables::
 (``<DEVICE>`` as in the CDI spec's ``DRA_GPU_UUID_<DEVICE>``: ``gpu-0`` -> ``GPU_0``;
 per device, because a container may hold devices with different settings.) What they
 change on the GPU -- compute mode and time slice, and an MPS control daemon per claim
-whose pipe, log and shm directories and ``CUDA_MPS_*`` limits every container gets --
+whose pipe and shm directories and ``CUDA_MPS_*`` limits every container gets --
 is planned by :mod:`dra_driver.node.sharing.policy` from this plan, before anything is
 changed, and applied and undone by :mod:`dra_driver.node.sharing.applier`
 (docs/sharing.md).
@@ -222,6 +222,15 @@ def plan_claim(
     }
     configs = _per_device_limits(claim.results, targets, winners)
     shares = _shares(claim.results, targets, consumable)
+    # A share's strategy is the administrator's: what the class configs alone say (see shares.py).
+    class_configs = winning_configs(
+        gpu_results,
+        [
+            (e, d)
+            for e, d in decoded
+            if isinstance(d.config, GpuConfig) and e.source is ConfigSource.FROM_CLASS
+        ],
+    )
     devices = tuple(
         PlannedDevice(
             result=result,
@@ -232,6 +241,7 @@ def plan_claim(
                 configs.get(result, DEFAULT_MIG_CONFIG if targets[result].is_mig else DEFAULT_GPU_CONFIG),
                 shares,
                 winners,
+                class_configs,
             ),
             cdi_device_id=cdi_device_id(driver_name, claim.ref.uid, result.device, result.share_id),
             share=shares.get(result),
@@ -277,14 +287,25 @@ def _limited(
     config: DeviceConfig,
     shares: Mapping[AllocationResult, Share],
     winners: Mapping[AllocationResult, tuple[OpaqueConfig, Decoded]],
+    class_configs: Mapping[AllocationResult, tuple[OpaqueConfig, Decoded]],
 ) -> DeviceConfig:
-    """``config``, or for a share that does not take the whole GPU its MPS-limited form."""
+    """``config``, or for a share that does not take the whole GPU its limited form."""
     share = shares.get(result)
     if share is None or share.whole:
         return config
     assert isinstance(config, GpuConfig)  # shares are of full GPUs only (see _shares)
-    entry = winners[result][0].describe() if result in winners else None
-    return share_config(result.device, target.gpu, share, config, entry)
+    entry = winners[result][0] if result in winners else None
+    admin = class_configs[result][1].config if result in class_configs else DEFAULT_GPU_CONFIG
+    assert isinstance(admin, GpuConfig)  # class configs of full GPUs, chosen by kind above
+    return share_config(
+        result.device,
+        target.gpu,
+        share,
+        config,
+        entry.describe() if entry else None,
+        admin=admin.sharing,
+        from_claim=entry is not None and entry.source is ConfigSource.FROM_CLAIM,
+    )
 
 
 def _per_device_limits(

@@ -15,12 +15,19 @@ A share is enforced with MPS. Its effective config becomes strategy ``MPS`` with
 
 so that whatever prepares MPS for a claim prepares the share's limits too
 (:mod:`dra_driver.node.sharing`: the shares of one GPU are clients of one MPS control
-daemon per GPU, each container with its share's limits). A claim config may ask for MPS
-with tighter limits, never for looser ones. It may also ask for ``TimeSlicing``: the
-shares of that GPU then trust each other, nothing limits their memory, and every share
-of the GPU must ask for the same interval (one time slice per GPU). Several shares of
-one GPU in one claim are pooled: the claim's limits on that GPU are their sum, because
-every container of the claim gets the same MPS client settings.
+daemon per GPU, each container with its share's limits). Several shares of one GPU in one
+claim are pooled: the claim's limits on that GPU are their sum, because every container of
+the claim gets the same MPS client settings.
+
+The strategy of a share is the administrator's, never the tenant's: the shares of a GPU
+must agree on its one compute mode and time slice, so a tenant who could pick them would
+lock every other share of the GPU out. It is what the DeviceClass configs say: ``MPS`` with
+the share's limits, unless a class config says ``TimeSlicing`` (then every share of the
+class's GPUs is time-sliced with the class's interval, and nothing limits their memory:
+shares that trust each other). A claim's own config may ask for MPS with tighter limits,
+never for looser ones; a claim config with another strategy than the class's (or another
+interval) is refused. A claim config with strategy ``Exclusive`` (or none) says nothing
+about a share and takes the class's.
 
 A share that leaves no room for another (a claim that asked for no memory takes the
 policy's default, all of it) is the GPU itself: it is prepared as a full GPU, with the
@@ -103,18 +110,43 @@ def pooled(shares: Iterable[Share]) -> Share:
     )
 
 
-def share_config(device: str, gpu: Gpu, share: Share, config: GpuConfig, configured: str | None) -> GpuConfig:
-    """The config a limited share is prepared with: MPS with the share's limits (see the module doc).
+def share_config(
+    device: str,
+    gpu: Gpu,
+    share: Share,
+    config: GpuConfig,
+    configured: str | None,
+    *,
+    admin: GpuSharing,
+    from_claim: bool,
+) -> GpuConfig:
+    """The config a limited share is prepared with (see the module doc).
 
     ``config`` is what the claim and class configs say for the device, ``configured`` the
-    entry it came from (None: no config applies).
+    entry it came from (None: no config applies), ``admin`` what the class configs alone say,
+    and ``from_claim`` whether ``config`` is the claim's own.
     """
     sharing = config.sharing
     memory = share.memory_bytes
     percentage = share.thread_percentage(gpu)
-    where = f"device {device} is a share of {_gib(memory)} (shareID {share.share_id}), isolated with MPS"
-    if sharing.strategy == "TimeSlicing":
-        return config  # asked for: time-sliced, its memory not limited (see the module doc)
+    what = f"device {device} is a share of {_gib(memory)} (shareID {share.share_id})"
+    where = f"{what}, isolated with MPS"
+    if admin.strategy == "TimeSlicing":
+        if from_claim and sharing.strategy != "Exclusive" and _sharing(sharing) != _sharing(admin):
+            raise ClaimRejected(
+                f"{what}, time-sliced as its DeviceClass says ({_sharing(admin)}); {configured} asks for "
+                f"{_sharing(sharing)}, but the sharing of a share is its class's, the same for every share "
+                "of the GPU: remove sharing from the claim's config"
+            )
+        return config.model_copy(update={"sharing": admin})  # time-sliced, its memory not limited
+    if from_claim and sharing.strategy == "TimeSlicing":
+        raise ClaimRejected(
+            f"{where}; {configured} asks for {_sharing(sharing)}, but the sharing of a share is its "
+            "DeviceClass's, the same for every share of the GPU: a claim config may only tighten the MPS "
+            "limits, or ask for the whole GPU (no capacity request) to choose its own sharing"
+        )
+    if sharing.strategy != "MPS":
+        sharing = admin
     mps = sharing.mps or Mps()
     if mps.default_pinned_device_memory_limit is not None:
         asked = quantity_bytes(mps.default_pinned_device_memory_limit)
@@ -138,6 +170,13 @@ def share_config(device: str, gpu: Gpu, share: Share, config: GpuConfig, configu
             mps = mps.model_copy(update={"default_active_thread_percentage": percentage})
     limited = GpuSharing.model_validate({"strategy": "MPS"}).model_copy(update={"mps": mps})
     return config.model_copy(update={"sharing": limited})
+
+
+def _sharing(sharing: GpuSharing) -> str:
+    if sharing.strategy == "TimeSlicing":
+        interval = sharing.time_slicing.interval if sharing.time_slicing else "Default"
+        return f"TimeSlicing with interval {interval}"
+    return sharing.strategy
 
 
 def _gib(value: int) -> str:

@@ -38,6 +38,7 @@ from tests.mock_nvml import mock_nvml_library
 pytestmark = pytest.mark.real_node
 
 MPS_NODE = f"resource.dra-driver.dev/mps-node={config.NODE_NAME}"  # the plugin's MPS daemons' label
+MPS_SHM_SIZE = "64Mi"  # mpsShmSize: each MPS daemon's /dev/shm, shared with its clients
 _T = TypeVar("_T")
 
 
@@ -52,7 +53,7 @@ def nvml_driver(real_cluster: ClusterInfo, real_node: RealNode, helm: Path) -> I
         real_node,
         helm,
         replace={
-            f"simulate={PROFILE}": "simulate=",
+            f"simulate={PROFILE}": f"simulate=,mpsShmSize={MPS_SHM_SIZE}",
             f"driverRoot={real_node.layout.driver_root}": f"driverRoot={root}",
         },
     )
@@ -117,6 +118,12 @@ def test_an_mps_claim_runs_its_control_daemon_as_a_deployment_on_the_kubelet(
     template, pod = manifests.load(manifests.EXAMPLES / "mps-gpu.yaml")
     for entry in pod["spec"]["containers"]:
         entry["image"] = f"{IMAGES['workload']}:{nvml_driver.tag}"
+        # Also what a tenant would look at: /dev/shm, and whether it could `quit` the daemon.
+        entry["command"][-1] = entry["command"][-1].replace(
+            "ls /tmp/nvidia-mps;",
+            "ls /tmp/nvidia-mps; grep ' /dev/shm ' /proc/mounts; "
+            "ls /usr/bin/nvidia-cuda-mps-control || echo no-control-binary; ls /var/log/nvidia-mps;",
+        )
     create(real_api, namespace, template)
     create(real_api, namespace, pod)
     core, apps = client.CoreV1Api(real_api), client.AppsV1Api(real_api)
@@ -145,6 +152,13 @@ def test_an_mps_claim_runs_its_control_daemon_as_a_deployment_on_the_kubelet(
         assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in log
         assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50" in log
         assert "control" in log.split()  # `ls /tmp/nvidia-mps`: the daemon's control pipe
+        # /dev/shm is the daemon's tmpfs of mpsShmSize (it reached the host: the plugin's directory
+        # is mounted Bidirectional), not the kubelet's disk beneath it.
+        (shm,) = [line.split() for line in log.splitlines() if line.split()[1:2] == ["/dev/shm"]]
+        assert shm[2] == "tmpfs", shm
+        assert "size=65536k" in shm[3].split(","), shm
+        assert "no-control-binary" in log  # no nvidia-cuda-mps-control to `quit` the shared daemon
+        assert "CUDA_MPS_LOG_DIRECTORY" not in log  # nor the daemon's log directory
 
     core.delete_namespaced_pod("mps", namespace, grace_period_seconds=1)
     _wait(

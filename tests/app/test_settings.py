@@ -95,6 +95,8 @@ def test_a_bad_env_value_is_reported_too(monkeypatch: pytest.MonkeyPatch) -> Non
         (["--pod-uid", "../x"], "DRA_POD_UID", "socket file names"),
         (["--pod-uid", ".hidden"], "DRA_POD_UID", "pod UID"),
         (["--simulate", "dgx-z900"], "DRA_SIMULATE", "dgx-h100"),
+        (["--mps-shm-size", "lots"], "DRA_MPS_SHM_SIZE", "not a memory quantity such as 4Gi"),
+        (["--mps-shm-size", "512k"], "DRA_MPS_SHM_SIZE", "less than 1Mi"),
         (["--mig-partitions", "bogus"], "DRA_MIG_PARTITIONS", "'bogus'"),
         (["--mig-partitions", "0,MIG-1234"], "DRA_MIG_PARTITIONS", "'MIG-1234'"),
         (["--mig-partitions", " , "], "DRA_MIG_PARTITIONS", "comma-separated"),

@@ -39,6 +39,7 @@ def test_a_driver_container_root_maps_files_to_their_host_layout(tmp_path):
         f"usr/lib/x86_64-linux-gnu/libnvidia-nvvm.so.{VERSION}",
         "usr/bin/nvidia-smi",
         "usr/bin/nvidia-persistenced",
+        "usr/bin/nvidia-cuda-mps-control",
         f"lib/firmware/nvidia/{VERSION}/gsp_ga10x.bin",
     )
     files = find_driver_files(root, VERSION)
@@ -54,6 +55,7 @@ def test_a_driver_container_root_maps_files_to_their_host_layout(tmp_path):
         f"libnvidia-nvvm.so.{VERSION}",
         f"libnvidia-ml.so.{VERSION}",
     ]
+    # Not the MPS control program: an MPS client would `quit` the daemon its neighbours share.
     assert {f.container_path for f in files.binaries} == {
         PurePosixPath("/usr/bin/nvidia-smi"),
         PurePosixPath("/usr/bin/nvidia-persistenced"),

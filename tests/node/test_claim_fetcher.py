@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
+from dra_driver.bounded_json import MAX_DEPTH
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher, ClaimFetchError, names_missing_claim
 
 if TYPE_CHECKING:
@@ -89,3 +90,23 @@ async def test_a_server_without_resource_v1_is_an_error_naming_the_release_neede
     ):
         await fetcher.get("ns", "c")
     assert len(api.paths) == 1  # no older version is tried: no supported release lacks v1
+
+
+async def test_a_claim_whose_config_nests_3000_levels_is_refused_with_the_limit() -> None:
+    parameters = '{"a":' * 3000 + "1" + "}" * 3000
+    body = (
+        '{"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "deep"}, '
+        '"status": {"allocation": {"devices": {"config": [{"opaque": {"parameters": ' + parameters + "}}]}}}}"
+    ).encode()
+
+    class Answering(ApiServerClaimFetcher):
+        async def _get(self, namespace: str, name: str) -> tuple[int, bytes]:
+            return 200, body
+
+    with pytest.raises(ClaimFetchError) as refused:
+        await Answering(cast("ApiClient", None)).get("default", "deep")
+    assert str(refused.value) == (
+        "GET resource.k8s.io/v1 ResourceClaim default/deep: the claim nests JSON deeper than "
+        f"{MAX_DEPTH} levels, the most the driver decodes (an opaque config of this driver nests at most 5); "
+        "flatten the config's parameters"
+    )

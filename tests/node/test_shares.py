@@ -133,7 +133,7 @@ async def test_two_shares_of_one_gpu_in_one_claim_are_pooled(node: Node) -> None
 
 async def test_an_mps_config_may_tighten_a_share_but_not_loosen_it(node: Node) -> None:
     preparer = await node.started(consumable=True)
-    tight, loose, sliced = new_ref("tight"), new_ref("loose"), new_ref("sliced")
+    tight, loose = new_ref("tight"), new_ref("loose")
     mps = {"strategy": "MPS", "mps": {"defaultPinnedDeviceMemoryLimit": "8Gi"}}
     node.allocate(
         tight, "gpu-0", share_id=share_id(), consumed={"memory": "10Gi"}, configs=[opaque(gpu_config(mps))]
@@ -146,44 +146,79 @@ async def test_an_mps_config_may_tighten_a_share_but_not_loosen_it(node: Node) -
         consumed={"memory": "10Gi"},
         configs=[opaque(gpu_config(mps_loose))],
     )
-    slicing = {"strategy": "TimeSlicing"}
-    node.allocate(
-        sliced,
-        "gpu-0",
-        share_id=share_id(),
-        consumed={"memory": "10Gi"},
-        configs=[opaque(gpu_config(slicing))],
-    )
 
-    outcomes = await preparer.prepare([tight, loose, sliced])
+    outcomes = await preparer.prepare([tight, loose])
 
     (env,) = device_env(node, tight.uid).values()
     assert env["DRA_GPU_MPS_PINNED_DEVICE_MEMORY_LIMIT_GPU_0"] == str(8 * GIB)
     assert isinstance(outcomes[loose.uid], ClaimError)
     assert "defaultPinnedDeviceMemoryLimit 12Gi, more than the share" in outcomes[loose.uid].message
     assert ref_not_prepared(node, loose.uid)
-    # TimeSlicing was asked for explicitly: no limits, but not beside MPS shares of the same GPU.
-    assert isinstance(outcomes[sliced.uid], ClaimError)
-    assert "its GPU is already set to MPS (compute mode ExclusiveProcess)" in outcomes[sliced.uid].message
-    assert ref_not_prepared(node, sliced.uid)
 
 
-async def test_a_share_may_ask_for_time_slicing_and_is_then_not_limited(node: Node) -> None:
+async def test_a_tenant_cannot_time_slice_a_share_and_lock_its_neighbours_out(node: Node) -> None:
+    """The strategy of a share is its class's: a claim's TimeSlicing is refused, first or not."""
     preparer = await node.started(consumable=True)
-    ref = new_ref()
+    sliced, neighbour = new_ref("sliced"), new_ref("neighbour")
+    slicing = {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}}
     node.allocate(
-        ref,
+        sliced,
         "gpu-1",
         share_id=share_id(),
         consumed={"memory": "10Gi"},
-        configs=[opaque(gpu_config({"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}}))],
+        configs=[opaque(gpu_config(slicing))],
     )
+    node.allocate(neighbour, "gpu-1", share_id=share_id(), consumed={"memory": "10Gi"})
 
-    await preparer.prepare([ref])
+    first = (await preparer.prepare([sliced]))[sliced.uid]
+    second = (await preparer.prepare([neighbour]))[neighbour.uid]
 
-    (env,) = device_env(node, ref.uid).values()
-    assert env["DRA_GPU_SHARING_STRATEGY_GPU_1"] == "TimeSlicing"
-    assert "DRA_GPU_MPS_PINNED_DEVICE_MEMORY_LIMIT_GPU_1" not in env
+    assert isinstance(first, ClaimError)
+    assert "asks for TimeSlicing with interval Long, but the sharing of a share is its DeviceClass's" in (
+        first.message
+    )
+    assert ref_not_prepared(node, sliced.uid)
+    assert not isinstance(second, ClaimError)  # the MPS-limited neighbour is not locked out
+    (env,) = device_env(node, neighbour.uid).values()
+    assert env["DRA_GPU_MPS_PINNED_DEVICE_MEMORY_LIMIT_GPU_1"] == str(10 * GIB)
+
+
+async def test_shares_are_time_sliced_when_their_class_says_so(node: Node) -> None:
+    preparer = await node.started(consumable=True)
+    plain, same, other, mps = new_ref("plain"), new_ref("same"), new_ref("other"), new_ref("mps")
+    class_slicing = opaque(
+        gpu_config({"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}}), source="FromClass"
+    )
+    claims = {
+        plain: [class_slicing, opaque(gpu_config())],  # Exclusive: says nothing about a share
+        same: [
+            class_slicing,
+            opaque(gpu_config({"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}})),
+        ],
+        other: [
+            class_slicing,
+            opaque(gpu_config({"strategy": "TimeSlicing", "timeSlicing": {"interval": "Short"}})),
+        ],
+        mps: [class_slicing, opaque(gpu_config({"strategy": "MPS"}))],
+    }
+    for ref, configs in claims.items():
+        node.allocate(ref, "gpu-0", share_id=share_id(), consumed={"memory": "10Gi"}, configs=configs)
+
+    outcomes = await preparer.prepare(list(claims))
+
+    for ref in (plain, same):
+        (env,) = device_env(node, ref.uid).values()
+        assert env["DRA_GPU_SHARING_STRATEGY_GPU_0"] == "TimeSlicing"
+        assert env["DRA_GPU_TIME_SLICE_INTERVAL_GPU_0"] == "Long"
+        assert "DRA_GPU_MPS_PINNED_DEVICE_MEMORY_LIMIT_GPU_0" not in env
+    for ref, asked in ((other, "TimeSlicing with interval Short"), (mps, "MPS")):
+        outcome = outcomes[ref.uid]
+        assert isinstance(outcome, ClaimError)
+        assert (
+            "time-sliced as its DeviceClass says (TimeSlicing with interval Long); config[1] (FromClaim"
+            in (outcome.message)
+        )
+        assert f"asks for {asked}, but the sharing of a share is its class's" in outcome.message
 
 
 def ref_not_prepared(node: Node, uid: str) -> bool:

@@ -11,13 +11,19 @@ As in NVIDIA's DRA driver, each daemon gets a directory of its own on the host,
 ``<root>/<id>/{pipe,log,shm}``, and every container of the claim gets:
 
 * ``<root>/<id>/pipe`` at ``/tmp/nvidia-mps`` and ``CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps``;
-* ``<root>/<id>/log`` at ``/var/log/nvidia-mps`` and ``CUDA_MPS_LOG_DIRECTORY`` pointing there;
 * ``<root>/<id>/shm`` as its ``/dev/shm``;
 * the limits as client variables: ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=<1-100>`` and
   ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<uuid>=<MiB>M,...`` (one entry per device that has a limit).
   The daemon is given the same values as its defaults (``set_default_active_thread_percentage``,
   ``set_default_device_pinned_mem_limit``), as NVIDIA's is, so a client that drops the variables
   still gets them.
+
+Unlike NVIDIA's clients, no container gets the log directory (only the daemon writes there: a
+client that could would plant links for the privileged daemon to follow) nor the
+``nvidia-cuda-mps-control`` program (:data:`dra_driver.devices.driver_root.BINARIES`), with which
+any client could ``quit`` the daemon. The control pipe itself every client needs, so this raises
+the bar and is no boundary: a client that speaks the control protocol itself can still stop the
+daemon it shares.
 
 Where the daemon runs is the :class:`MpsDaemons` implementation's business:
 
@@ -139,10 +145,7 @@ def daemon_id(claim_uid: str, device_uuids: Sequence[str]) -> str:
 
 def container_env(spec: MpsDaemonSpec) -> tuple[tuple[str, str], ...]:
     """The variables every container of the daemon's claim gets (see the module doc)."""
-    env: list[tuple[str, str]] = [
-        ("CUDA_MPS_PIPE_DIRECTORY", PIPE_DIR),
-        ("CUDA_MPS_LOG_DIRECTORY", LOG_DIR),
-    ]
+    env: list[tuple[str, str]] = [("CUDA_MPS_PIPE_DIRECTORY", PIPE_DIR)]
     if spec.active_thread_percentage is not None:
         env.append(("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(spec.active_thread_percentage)))
     if limits := spec.pinned_memory_limits:
@@ -156,10 +159,9 @@ def container_env(spec: MpsDaemonSpec) -> tuple[tuple[str, str], ...]:
 
 
 def container_mounts(paths: MpsPaths) -> tuple[Mount, ...]:
-    """The daemon's pipe, log and shared-memory directories, bound into every container of the claim."""
+    """The daemon's pipe and shared-memory directories, bound into every container of the claim."""
     return (
         Mount(str(paths.pipe), PIPE_DIR, MPS_BIND),
-        Mount(str(paths.log), LOG_DIR, MPS_BIND),
         Mount(str(paths.shm), SHM_DIR, MPS_BIND),
     )
 

@@ -18,8 +18,12 @@ Differences from NVIDIA's template, each for a reason:
 * a failed daemon is reported, not waited for: a container that terminated, restarts, or cannot
   pull its image fails the prepare with the pod's own reason.
 
-The plugin mounts a tmpfs on the daemon's shm directory (half the node's memory at most, NVIDIA's
-size) before it creates the Deployment, and unmounts it when it stops the daemon.
+The plugin mounts a tmpfs on the daemon's shm directory (``--mps-shm-size``, by default half the
+node's memory, NVIDIA's size) before it creates the Deployment, and unmounts it when it stops the
+daemon. The directory is under the plugin's own host directory, which the chart mounts with
+``mountPropagation: Bidirectional`` (as NVIDIA mounts its plugin directory): only then does the
+tmpfs reach the host, where the daemon's pod and the clients' CDI mounts bind it. Without it they
+would bind the directory beneath, the kubelet's disk, unbounded.
 """
 
 from __future__ import annotations
@@ -169,6 +173,7 @@ class DeploymentMpsDaemons:
         driver_root: str,
         root: Path,
         mount_shm: bool = True,
+        shm_size_bytes: int | None = None,
     ) -> None:
         self._api = api
         self._namespace = namespace
@@ -177,6 +182,7 @@ class DeploymentMpsDaemons:
         self._driver_root = driver_root
         self._root = root
         self._mount_shm = mount_shm
+        self._shm_size = f"{shm_size_bytes // 1024}k" if shm_size_bytes else _half_the_memory()
         self._node_uid: str | None = None
 
     def paths(self, daemon_id: str) -> MpsPaths:
@@ -289,7 +295,7 @@ class DeploymentMpsDaemons:
                     "-t",
                     "tmpfs",
                     "-o",
-                    f"rw,nosuid,nodev,noexec,size={_shm_size()}",
+                    f"rw,nosuid,nodev,noexec,size={self._shm_size}",
                     "shm",
                     str(paths.shm),
                 ]
@@ -310,7 +316,7 @@ def _run(command: list[str]) -> None:
         raise MpsDaemonError(f"{' '.join(command)} failed: {str(detail).strip()}") from None
 
 
-def _shm_size(meminfo: Path = Path("/proc/meminfo")) -> str:
+def _half_the_memory(meminfo: Path = Path("/proc/meminfo")) -> str:
     """Half the node's memory, as NVIDIA sizes the daemon's tmpfs; 64 MiB when unknown."""
     with contextlib.suppress(OSError, ValueError, IndexError):
         for line in meminfo.read_text().splitlines():

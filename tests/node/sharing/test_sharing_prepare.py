@@ -52,8 +52,10 @@ def claim_mounts(node: Node, uid: str) -> dict[str, dict[str, Any]]:
     return {m["containerPath"]: m for m in spec["containerEdits"].get("mounts", [])}
 
 
-def time_sliced(interval: str) -> dict[str, Any]:
-    return opaque(gpu_config({"strategy": "TimeSlicing", "timeSlicing": {"interval": interval}}))
+def time_sliced(interval: str, source: str = "FromClaim") -> dict[str, Any]:
+    return opaque(
+        gpu_config({"strategy": "TimeSlicing", "timeSlicing": {"interval": interval}}), source=source
+    )
 
 
 def mps(**settings: Any) -> dict[str, Any]:
@@ -117,26 +119,28 @@ SHARE = {"memory": "10Gi"}  # what the scheduler records for a share of a sharea
 
 
 async def test_two_claims_on_one_gpu_must_agree_on_the_interval(node: Node) -> None:
-    preparer = await node.started(consumable=True)  # two claims on one GPU: shares of it
+    # Two claims on one GPU: shares of it, from two classes whose configs time-slice differently
+    # (a share's strategy is its class's, shares.py).
+    preparer = await node.started(consumable=True)
     first, second, third = new_ref("first"), new_ref("second"), new_ref("third")
     node.allocate(
         first,
         "gpu-0",
-        configs=[time_sliced("Short")],
+        configs=[time_sliced("Short", "FromClass")],
         share_id="11111111-0000-0000-0000-000000000001",
         consumed=SHARE,
     )
     node.allocate(
         second,
         "gpu-0",
-        configs=[time_sliced("Long")],
+        configs=[time_sliced("Long", "FromClass")],
         share_id="11111111-0000-0000-0000-000000000002",
         consumed=SHARE,
     )
     node.allocate(
         third,
         "gpu-0",
-        configs=[time_sliced("Short")],
+        configs=[time_sliced("Short", "FromClass")],
         share_id="11111111-0000-0000-0000-000000000003",
         consumed=SHARE,
     )
@@ -217,7 +221,8 @@ async def test_mps_runs_a_daemon_per_claim_in_exclusive_process_mode(node: Node)
     mounts = claim_mounts(node, ref.uid)
     assert mounts["/tmp/nvidia-mps"]["hostPath"] == str(paths.pipe)
     assert mounts["/dev/shm"]["hostPath"] == str(paths.shm)
-    assert mounts["/var/log/nvidia-mps"]["hostPath"] == str(paths.log)
+    assert "/var/log/nvidia-mps" not in mounts  # the daemon's log: written by it, not by clients
+    assert "CUDA_MPS_LOG_DIRECTORY" not in env
 
     assert (await preparer.unprepare([ref]))[ref.uid] is None
     assert node.mps.pid(daemon) is None

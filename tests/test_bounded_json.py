@@ -1,0 +1,49 @@
+"""Nesting depth of user JSON: refused with the limit named, never a RecursionError."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dra_driver.bounded_json import MAX_DEPTH, TooDeep, loads, loads_pruned
+
+
+def nested(depth: int, leaf: str = "1") -> str:
+    return '{"a":' * depth + leaf + "}" * depth
+
+
+def test_a_3000_deep_document_is_refused_naming_the_limit() -> None:
+    with pytest.raises(TooDeep) as refused:
+        loads(nested(3000), "the claim")
+    message = str(refused.value)
+    assert message.startswith(
+        f"the claim nests JSON deeper than {MAX_DEPTH} levels, the most the driver decodes"
+    )
+    assert "\n" not in message
+
+
+def test_the_limit_itself_is_decoded() -> None:
+    assert loads(nested(MAX_DEPTH), "x") == json.loads(nested(MAX_DEPTH))
+    with pytest.raises(TooDeep):
+        loads(nested(MAX_DEPTH + 1), "x")
+
+
+def test_brackets_in_strings_do_not_nest() -> None:
+    text = json.dumps({"a": "[[[[{{{{" * 100, "b": ['"]]]', "x"], "c": '\\"[{'})
+    assert loads(text, "x") == json.loads(text)
+
+
+def test_pruning_keeps_the_top_of_the_document() -> None:
+    text = '{"request": {"uid": "u-1", "object": ' + nested(3000, "[1, 2]") + "}}"
+    document, pruned = loads_pruned(text)
+    assert pruned
+    assert document["request"]["uid"] == "u-1"
+    assert loads_pruned('{"a": [1, {"b": null}]}') == ({"a": [1, {"b": None}]}, False)
+
+
+def test_not_json_is_still_a_value_error() -> None:
+    with pytest.raises(json.JSONDecodeError):
+        loads_pruned(b"{" * 100)
+    with pytest.raises(json.JSONDecodeError):
+        loads_pruned(b"not json")
