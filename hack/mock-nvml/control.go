@@ -322,6 +322,8 @@ func (s *State) run(args []string) (string, error) {
 		return "", nil
 	case "fabric", "addressing":
 		return s.runFabric(args)
+	case "nvlink":
+		return s.runNvLink(args)
 	case "clear-faults":
 		s.Faults = nil
 		return "", nil
