@@ -21,7 +21,7 @@ from dra_driver.resources.naming import gpu_device_name
 from e2e import manifests
 from e2e.claims import gpu_uuid, run_on_gpu, wait_unschedulable
 from e2e.cluster import ClusterInfo, JsonObject, RestClient
-from e2e.daemon import Daemon
+from e2e.daemon import Daemon, wait_until
 from e2e.gpu_node import GpuNode
 from e2e.manifests import collection
 from e2e.nic_driver import RUNNING
@@ -92,6 +92,29 @@ def nics(cluster: ClusterInfo, gpu_node: GpuNode) -> Iterator[dict[str, str]]:
         })  # fmt: skip
 
 
+@pytest.fixture(autouse=True)
+def devices_free(rest: RestClient, gpu_node: GpuNode) -> None:
+    """Each test starts with every device of the node free in the scheduler's eyes.
+
+    The claims of the test before go with its namespace, a moment after its pods: a pod the
+    scheduler finds no room for meanwhile waits for the scheduler's next retry, not for them.
+    """
+
+    def free() -> bool:
+        claims = rest.get("/apis/resource.k8s.io/v1/resourceclaims")["items"]
+        return not any(
+            result["pool"] == gpu_node.name
+            for claim in claims
+            for result in ((claim.get("status") or {}).get("allocation") or {})
+            .get("devices", {})
+            .get("results", [])
+        )
+
+    wait_until(
+        free, timeout_seconds=120, waiting_for=f"the claims of the test before to leave {gpu_node.name}"
+    )
+
+
 def gpu_of(inventory: Inventory, device: str) -> Gpu:
     (gpu,) = [gpu for gpu in inventory.gpus if gpu_device_name(gpu.minor) == device]
     return gpu
@@ -102,20 +125,20 @@ def allocation(claim: JsonObject) -> list[tuple[str, str]]:
     return [(r["driver"], r["device"]) for r in claim["status"]["allocation"]["devices"]["results"]]
 
 
-def example_pods(rest: RestClient, example: str, namespace: str, node: GpuNode, count: int) -> list[str]:
-    """The example's claim template, and `count` copies of its pod; returns the pods' names.
-
-    Each pod gets a claim of its own from the template, as `count` users applying the example would.
-    """
+def example_template(rest: RestClient, example: str, namespace: str) -> JsonObject:
+    """Creates the example's claim template; returns the example's pod, for `start_copy`."""
     template, pod = manifests.load(TOPOLOGY / example)
     manifests.apply(rest, [template], namespace)
-    names = []
-    for i in range(count):
-        copy_of_pod = copy.deepcopy(pod)
-        copy_of_pod["metadata"]["name"] = f"{pod['metadata']['name']}-{i}"
-        names.append(copy_of_pod["metadata"]["name"])
-        manifests.apply(rest, manifests.pinned([copy_of_pod], node.name), namespace)
-    return names
+    return pod
+
+
+def start_copy(rest: RestClient, pod: JsonObject, index: int, namespace: str, node: GpuNode) -> str:
+    """A copy of the example's pod, named `<name>-<index>`, with a claim of its own from the template,
+    as one more user applying the example would; returns its name."""
+    copy_of_pod = copy.deepcopy(pod)
+    copy_of_pod["metadata"]["name"] = f"{pod['metadata']['name']}-{index}"
+    manifests.apply(rest, manifests.pinned([copy_of_pod], node.name), namespace)
+    return str(copy_of_pod["metadata"]["name"])
 
 
 def claim_of_pod(rest: RestClient, namespace: str, name: str) -> JsonObject:
@@ -135,15 +158,17 @@ def test_two_nvlinked_gpus_are_a_bridged_pair_every_time(
     run_on_gpu(rest, node, namespace, "holder", gpu_uuid(node, 0))
     wait_running(rest, namespace, "holder")
 
-    *pairs, last = example_pods(rest, "nvlink-pair.yaml", namespace, node, 4)
+    pod = example_template(rest, "nvlink-pair.yaml", namespace)
     taken = []
-    for name in pairs:
+    for index in range(3):  # one after another: which claim gets which pair is then the test's to say
+        name = start_copy(rest, pod, index, namespace, node)
         claim = claim_of_pod(rest, namespace, name)
         a, b = (gpu_of(hardware, device) for _, device in allocation(claim))
         assert bridged(a, b), f"{name} got GPUs {a.minor} and {b.minor}, which no NVLink bridge joins"
         taken.append(sorted((a.minor, b.minor)))
     assert sorted(taken) == [[2, 3], [4, 5], [6, 7]]
-    # GPU 1 alone is left: no pair for the fourth claim, though GPUs 1 and 0's holder would fit a count.
+    # GPU 1 alone is left: no pair for a fourth claim.
+    last = start_copy(rest, pod, 3, namespace, node)
     wait_unschedulable(rest, namespace, last)
 
     delete_pod(rest, namespace, "holder")
@@ -156,9 +181,10 @@ def test_a_gpu_and_a_nic_land_on_one_pcie_root(
     rest: RestClient, node: GpuNode, namespace: str, nics: dict[str, str]
 ) -> None:
     hardware = node.driver.simulated_gpus()
-    *paired, unpaired = example_pods(rest, "gpu-and-nic.yaml", namespace, node, 3)
+    pod = example_template(rest, "gpu-and-nic.yaml", namespace)
     used_nics = set()
-    for name in paired:
+    for index in range(2):
+        name = start_copy(rest, pod, index, namespace, node)
         claim = claim_of_pod(rest, namespace, name)
         devices = dict(allocation(claim))
         gpu, nic = gpu_of(hardware, devices[node.driver_name]), devices[NIC_DRIVER]
@@ -166,7 +192,7 @@ def test_a_gpu_and_a_nic_land_on_one_pcie_root(
         used_nics.add(nic)
     assert len(used_nics) == 2
     # The NIC left sits on a root without GPUs: a third pair cannot be made.
-    wait_unschedulable(rest, namespace, unpaired)
+    wait_unschedulable(rest, namespace, start_copy(rest, pod, 2, namespace, node))
 
 
 @pytest.mark.parametrize(
@@ -180,7 +206,7 @@ def test_two_gpus_share_a_pcie_switch_or_a_socket(
     # GPUs 0-2 are taken first: the one GPU left behind the first switch (and socket) has no partner.
     for minor in range(3):
         run_on_gpu(rest, node, namespace, f"holder-{minor}", gpu_uuid(node, minor))
-    (name,) = example_pods(rest, example, namespace, node, 1)
+    name = start_copy(rest, example_template(rest, example, namespace), 0, namespace, node)
     claim = claim_of_pod(rest, namespace, name)
     a, b = (gpu_of(hardware, device) for _, device in allocation(claim))
     assert getattr(a, place) is not None
