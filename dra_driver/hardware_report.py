@@ -109,6 +109,9 @@ def gpu_report(gpu: Gpu, *, nvml: bool) -> dict[str, Any]:
         "pciVendorId": f"{gpu.pci_vendor_id:#06x}",
         "pciBusId": gpu.pci_bus_id,
         "pcieRoot": gpu.pcie_root,
+        "pcieSwitch": gpu.pcie_switch,
+        "numaNode": gpu.numa_node,
+        "nvlinkRemotes": list(gpu.nvlink_remotes),  # the far end of each active NVLink
         "addressingMode": gpu.addressing_mode,
         "fabric": None
         if gpu.fabric is None

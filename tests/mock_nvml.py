@@ -129,3 +129,26 @@ def mock_environment(
     if proc_root is not None:
         env["MOCK_NVML_PROC_ROOT"] = str(proc_root)
     return {**os.environ, **env}
+
+
+def install_sysfs(sysfs: Path, gpus: list[tuple[str, str, str | None, int]]) -> Path:
+    """A host's PCI tree in sysfs for GPUs given as (bus id, PCIe root, switch or None, NUMA node).
+
+    Each GPU's directory lies under its host bridge and root port (and, behind a switch, under the
+    switch's upstream port and one downstream port), ``bus/pci/devices/<bus id>`` links to it and
+    its ``numa_node`` holds the node, as the kernel lays them out.
+    """
+    devices = sysfs / "devices"
+    links = sysfs / "bus" / "pci" / "devices"
+    links.mkdir(parents=True, exist_ok=True)
+    for index, (bus_id, root, switch, numa_node) in enumerate(gpus):
+        domain, root_bus = root.removeprefix("pci").split(":")
+        path = devices / root / f"{domain}:{root_bus}:01.0"
+        if switch is not None:
+            switch_bus = int(switch.split(":")[1], 16)
+            path = path / switch / f"{domain}:{switch_bus + 1:02x}:{index % 32:02x}.0"
+        path = path / bus_id
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "numa_node").write_text(f"{numa_node}\n")
+        (links / bus_id).symlink_to(os.path.relpath(path, links))
+    return sysfs

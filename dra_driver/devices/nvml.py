@@ -61,6 +61,7 @@ from dra_driver.devices.naming import (
 from dra_driver.devices.nvcaps import caps_major, ensure_node, read_capability
 from dra_driver.devices.nvml_orphans import ORPHANS_FILE, Orphan, OrphanRecord, boot_id
 from dra_driver.devices.nvml_policy import NvmlComputePolicy
+from dra_driver.devices.topology import NVSWITCH_WITHOUT_ADDRESS
 from dra_driver.devices.types import (
     ComputePolicy,
     DeviceNode,
@@ -460,6 +461,9 @@ class NvmlBackend:
             pci_vendor_id=vendor_id,
             device_node=self._device_node(f"nvidia{minor}", (NVIDIA_MAJOR, minor)),
             pcie_root=self._pcie_root(bus_id),
+            pcie_switch=self._pcie_switch(bus_id),
+            numa_node=self._numa_node(bus_id),
+            nvlink_remotes=nvlink_remotes(handle),
             addressing_mode=addressing_mode(handle),
             mig_capable=mig_mode is not None,
             mig_enabled=mig_enabled,
@@ -636,15 +640,41 @@ class NvmlBackend:
             found.append((int(info.id), Placement(info.placement.start, info.placement.size)))
         return found
 
-    def _pcie_root(self, bus_id: str) -> str | None:
-        """The PCIe root complex ("pci0000:3a") the sysfs device path of ``bus_id`` lies under."""
+    def _pci_path(self, bus_id: str) -> tuple[str, ...]:
+        """The device's sysfs path below ``devices/``: host bridge, root port, bridges, the device.
+
+        ``("pci0000:3a", "0000:3a:00.0", "0000:3b:00.0", "0000:3c:08.0", "0000:3d:00.0")`` for a GPU
+        behind a PCIe switch (upstream port 3b, downstream port 3c:08); empty where sysfs has none.
+        """
         devices = (self._sysfs_root / "devices").resolve()
         try:
             path = (self._sysfs_root / "bus" / "pci" / "devices" / bus_id).resolve(strict=True)
-            root = path.relative_to(devices).parts[0]
-        except (OSError, ValueError, IndexError):
+            parts = path.relative_to(devices).parts
+        except (OSError, ValueError):
+            return ()
+        return parts if parts and parts[0].startswith("pci") else ()
+
+    def _pcie_root(self, bus_id: str) -> str | None:
+        """The PCIe root complex ("pci0000:3a") the sysfs device path of ``bus_id`` lies under."""
+        path = self._pci_path(bus_id)
+        return path[0] if path else None
+
+    def _pcie_switch(self, bus_id: str) -> str | None:
+        """The upstream port of the PCIe switch nearest the GPU (``PIX`` in ``nvidia-smi topo``).
+
+        Below the root port, a switch is an upstream port with the downstream port the GPU hangs
+        off: the GPU's grandparent. A GPU straight on a root port (host bridge, root port, GPU) has none.
+        """
+        path = self._pci_path(bus_id)
+        return path[-3] if len(path) >= 5 else None
+
+    def _numa_node(self, bus_id: str) -> int | None:
+        """The NUMA node the kernel reports for the device; None for -1 (no NUMA) or no sysfs."""
+        try:
+            node = int((self._sysfs_root / "bus" / "pci" / "devices" / bus_id / "numa_node").read_text())
+        except (OSError, ValueError):
             return None
-        return root if root.startswith("pci") else None
+        return node if node >= 0 else None
 
     # --- device nodes ------------------------------------------------------------------------------
 
@@ -937,6 +967,49 @@ def _preload_nvml(driver_root: Path) -> Path | None:
     except OSError as e:
         raise DeviceError(f"cannot load {driver_root / found}: {e}; check the driver root") from e
     return driver_root / found
+
+
+def nvlink_remotes(handle: Any) -> tuple[str, ...]:
+    """The far ends of the GPU's active NVLinks, as ``nvidia-smi nvlink -R`` lists them.
+
+    Each is a PCI bus id -- a GPU's (a bridge) or an NVSwitch's -- or NVSWITCH_WITHOUT_ADDRESS for a
+    switch NVML gives no address of. NVML answers NotSupported for a GPU without NVLink and
+    InvalidArgument past its last link; a link that cannot be read counts as down.
+    """
+    remotes: set[str] = set()
+    for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+        try:
+            if pynvml.nvmlDeviceGetNvLinkState(handle, link) != pynvml.NVML_FEATURE_ENABLED:
+                continue
+        except pynvml.NVMLError_FunctionNotFound:
+            return ()
+        except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_InvalidArgument):
+            continue
+        except pynvml.NVMLError as e:
+            log.warning("nvlink_state_unreadable", link=link, error=str(e))
+            continue
+        remote = _nvlink_remote(handle, link)
+        if remote:
+            remotes.add(remote)
+    return tuple(sorted(remotes))
+
+
+def _nvlink_remote(handle: Any, link: int) -> str | None:
+    """What an active link leads to: a GPU's or switch's bus id; None for a CPU (IBM NPU) or unknown."""
+    try:
+        kind = pynvml.nvmlDeviceGetNvLinkRemoteDeviceType(handle, link)
+    except pynvml.NVMLError:
+        kind = pynvml.NVML_NVLINK_DEVICE_TYPE_UNKNOWN
+    try:
+        pci = pynvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link)
+        bus_id = pci.busId.decode() if isinstance(pci.busId, bytes) else str(pci.busId)
+    except pynvml.NVMLError:
+        bus_id = ""
+    if kind == pynvml.NVML_NVLINK_DEVICE_TYPE_IBMNPU:
+        return None
+    if bus_id.strip("0:.\x00 "):
+        return normalize_pci_bus_id(bus_id)
+    return NVSWITCH_WITHOUT_ADDRESS if kind == pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH else None
 
 
 _ADDRESSING_MODES = {

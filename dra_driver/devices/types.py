@@ -122,6 +122,13 @@ class Gpu:
     pci_vendor_id: int  # 0x10de
     device_node: DeviceNode
     pcie_root: str | None = None  # "pci0000:3a" when sysfs tells us
+    # The upstream port of the PCIe switch the GPU sits behind ("0000:3b:00.0"); None when the GPU
+    # hangs directly off a root port. GPUs behind one switch talk peer-to-peer without the CPU.
+    pcie_switch: str | None = None
+    numa_node: int | None = None  # the CPU socket's NUMA node, from sysfs; None where it has none
+    # The far ends of the GPU's active NVLinks: PCI bus ids of GPUs (a bridge) or NVSwitches, and
+    # NVSWITCH_WITHOUT_ADDRESS for a switch NVML gives no address of (see devices/topology.py).
+    nvlink_remotes: tuple[str, ...] = ()
     # "ATS", "HMM" or "None" where the platform has coherent memory (Grace); None where it has not.
     addressing_mode: str | None = None
     mig_capable: bool = False

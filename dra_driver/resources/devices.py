@@ -21,6 +21,13 @@ so an allocated device keeps its name and its counter accounting.
 
 Attribute names are NVIDIA's (unqualified, i.e. in the driver's domain), so CEL written for
 NVIDIA's driver works when this one is deployed under that driver name.
+
+Topology (:mod:`dra_driver.devices.topology`): every device carries the standard
+``resource.kubernetes.io/numaNode`` and ``pcieRoot``; a full GPU also carries the groups it shares
+fast paths with -- ``nvlinkIsland``, ``nvlinkClique`` and ``pcieSwitch`` -- so that a claim's
+``matchAttribute`` picks GPUs on one NVLink island or PCIe switch. MIG devices do not get those:
+MIG has no peer-to-peer between GPUs, and a MIG device's attributes and capacities are already
+near the API's 32.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from dra_driver.devices.types import Gpu, Inventory, MigDevice, MigProfile, Placement
+from dra_driver.devices.topology import nvlink_islands
+from dra_driver.devices.types import FabricState, Gpu, Inventory, MigDevice, MigProfile, Placement
 from dra_driver.resources.capacity import consumable_capacity, share_policy
 from dra_driver.resources.naming import (
     counter_set_name,
@@ -51,9 +59,14 @@ from dra_driver.resources.wire import (
 
 PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
 PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
+NUMA_NODE = "resource.kubernetes.io/numaNode"  # standard from Kubernetes 1.37; NVIDIA's driver has it
+NVLINK_ISLAND = "nvlinkIsland"
+NVLINK_CLIQUE = "nvlinkClique"
+PCIE_SWITCH = "pcieSwitch"
 # NVIDIA's driver published the bus id under its own domain up to v25.8; claims may still use it.
 LEGACY_PCIE_BUS_ID = "pcieBusID"
 DEVICE_TAINTS_MAX = 16  # per device, API limit
+ATTRIBUTES_AND_CAPACITIES_MAX = 32  # per device, API limit
 
 VERSION_MAX_LENGTH = 64  # API limit for string and version attribute values
 _NUMERIC_VERSION = re.compile(r"[0-9]+(\.[0-9]+){0,2}")
@@ -136,8 +149,11 @@ def build_devices(
     ``consumable`` makes every full GPU shareable (see :func:`shareable`).
     """
     result: list[GpuDevices] = []
+    islands = nvlink_islands(inventory.gpus)
     for gpu in sorted(inventory.gpus, key=lambda g: g.minor):
-        gpu_devices = _gpu_devices(inventory, gpu, partition(gpu) and offers_partitions(gpu), owned_mig_uuids)
+        gpu_devices = _gpu_devices(
+            inventory, gpu, partition(gpu) and offers_partitions(gpu), owned_mig_uuids, islands.get(gpu.uuid)
+        )
         if consumable:
             gpu_devices = GpuDevices(
                 devices=tuple(
@@ -176,14 +192,17 @@ def offers_partitions(gpu: Gpu) -> bool:
     )
 
 
-def _gpu_devices(inventory: Inventory, gpu: Gpu, partitioned: bool, owned: Collection[str]) -> GpuDevices:
+def _gpu_devices(
+    inventory: Inventory, gpu: Gpu, partitioned: bool, owned: Collection[str], island: str | None
+) -> GpuDevices:
     common = _common_attributes(inventory, gpu)
+    links = _link_attributes(gpu, island)
     static = tuple(m for m in gpu.mig_devices if not (partitioned and m.uuid in owned))
     static_devices = tuple(
         _mig_device(gpu, _profile_of(gpu, m), m.placement, common, uuid=m.uuid) for m in static
     )
     if not partitioned:
-        whole = () if gpu.mig_enabled else (_full_gpu(gpu, common),)
+        whole = () if gpu.mig_enabled else (_full_gpu(gpu, common | links),)
         return GpuDevices(devices=whole + static_devices)
 
     taken = [(m.profile, m.placement) for m in static] + list(gpu.reserved_placements)
@@ -202,7 +221,7 @@ def _gpu_devices(inventory: Inventory, gpu: Gpu, partitioned: bool, owned: Colle
     }
     devices: list[Device] = []
     if not gpu.mig_enabled:
-        full = _full_gpu(gpu, common)
+        full = _full_gpu(gpu, common | links)
         full["consumesCounters"] = [
             {"counterSet": counter_set["name"], "counters": dict(counter_set["counters"])}
         ]
@@ -244,8 +263,23 @@ def _common_attributes(inventory: Inventory, gpu: Gpu) -> dict[str, DeviceAttrib
         attributes[LEGACY_PCIE_BUS_ID] = {"string": gpu.pci_bus_id}
     if gpu.pcie_root:
         attributes[PCIE_ROOT] = {"string": gpu.pcie_root}
+    if gpu.numa_node is not None:
+        attributes[NUMA_NODE] = {"int": gpu.numa_node}
     if gpu.addressing_mode:
         attributes["addressingMode"] = {"string": gpu.addressing_mode}
+    return attributes
+
+
+def _link_attributes(gpu: Gpu, island: str | None) -> dict[str, DeviceAttribute]:
+    """The fast paths a full GPU shares with others: NVLink island and clique, PCIe switch."""
+    attributes: dict[str, DeviceAttribute] = {}
+    if island:
+        attributes[NVLINK_ISLAND] = {"string": island}
+    fabric = gpu.fabric
+    if fabric is not None and fabric.state is FabricState.COMPLETED and fabric.status == "Success":
+        attributes[NVLINK_CLIQUE] = {"string": fabric.clique}
+    if gpu.pcie_switch:
+        attributes[PCIE_SWITCH] = {"string": gpu.pcie_switch}
     return attributes
 
 
@@ -343,6 +377,10 @@ def _mig_device(
     if uuid is not None:
         # As NVIDIA's driver does for a MIG device that exists: the memory slices it occupies.
         capacity |= {f"memorySlice{i}": _capacity(1) for i in placement.memory_slices}
+    if len(attributes) + len(capacity) > ATTRIBUTES_AND_CAPACITIES_MAX:
+        # Only an existing full-size MIG device on a Grace GPU (addressingMode) gets here. The legacy
+        # bus id goes first: the standard pciBusID beside it has the same value.
+        del attributes[LEGACY_PCIE_BUS_ID]
     name = require_dns_label(name, "MIG device name")
     return {"name": name, "attributes": attributes, "capacity": capacity}
 

@@ -325,6 +325,8 @@ func (s *State) run(args []string) (string, error) {
 		return s.runFabric(args)
 	case "virtualization":
 		return s.runVirtualization(args)
+	case "nvlink":
+		return s.runNvLink(args)
 	case "clear-faults":
 		s.Faults = nil
 		return "", nil

@@ -29,7 +29,7 @@ import (
 )
 
 const (
-	envMachine  = "MOCK_NVML_MACHINE"   // dgxh100 (default), dgxh200, dgxa100, dgxb200, gb200nvl72; ":N" keeps N GPUs
+	envMachine  = "MOCK_NVML_MACHINE"   // dgxh100 (default), dgxh200, dgxa100, dgxb200, gb200nvl72, pcieh100nvl, l40s; ":N" keeps N GPUs
 	envStateDir = "MOCK_NVML_STATE_DIR" // where the state file lives; unset: private to the process
 	envProcRoot = "MOCK_NVML_PROC_ROOT" // where the kernel driver's /proc files go (nvidia-caps minors)
 	stateFile   = "state.json"
@@ -91,6 +91,8 @@ type Gpu struct {
 
 	// No Xid events: nvmlDeviceGetSupportedEventTypes leaves the Xid bit out (the `events` command).
 	NoXidEvents bool `json:"noXidEvents,omitempty"`
+
+	NvLinksDown []uint32 `json:"nvlinksDown,omitempty"` // links taken down (topology.go)
 }
 
 // Fault makes calls of one NVML function fail with Code, or hang for HangMS first.

@@ -89,6 +89,8 @@ def test_the_hardware_report_describes_the_mock_machine_and_changes_nothing(tmp_
         "0x2330",
         81920,
     )
+    # Every NVLink leads to the baseboard's NVSwitches, which the two GPUs share.
+    assert first["nvlinkRemotes"] == second["nvlinkRemotes"] == [f"0000:0{bus}:00.0" for bus in (5, 6, 7, 8)]
     assert (first["migMode"], second["migMode"]) == (
         {"current": "disabled", "pending": "disabled"},
         {"current": "enabled", "pending": "enabled"},

@@ -32,6 +32,8 @@ def _backend(tmp_path, profile="dgx-h100", node="node-a"):
         ("gb200-tray", 4, {"NVIDIA GB200"}),
         ("l4x4", 4, {"NVIDIA L4"}),
         ("mixed", 6, {"NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "NVIDIA L4"}),
+        ("pcie-h100nvl-bridged", 8, {"NVIDIA H100 NVL"}),
+        ("l40s-4", 4, {"NVIDIA L40S"}),
     ],
 )
 def test_profiles_have_their_gpus(tmp_path, profile, count, products):
@@ -51,6 +53,8 @@ def test_every_registered_profile_is_tested():
         "gb200-tray",
         "l4x4",
         "mixed",
+        "pcie-h100nvl-bridged",
+        "l40s-4",
     }
 
 

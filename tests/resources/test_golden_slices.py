@@ -142,12 +142,14 @@ def test_every_mig_capable_simulated_gpu_and_node_has_golden_slices() -> None:
         "gb200-tray",
         "hgx-h100-16",
         "mixed",
+        "pcie-h100nvl-bridged",
     }
     assert set(MIG_GPU_MODELS) == {
         "a100-sxm4-40gb",
         "a100-sxm4-80gb",
         "b200-180gb",
         "gb200",
+        "h100-nvl-94gb",
         "h100-sxm5-80gb",
         "h200-sxm-141gb",
     }

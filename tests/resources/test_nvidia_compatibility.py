@@ -17,7 +17,8 @@ from dra_driver.resources.wire import Device
 from tests.nvidia_table import Row, read_table
 
 ROWS = read_table()
-OURS_ONLY = {"vendor", "pciVendorID", "pciDeviceID"}  # the doc's "Added by this driver"
+# The doc's "Added by this driver"; the topology attributes are in docs/topology.md.
+OURS_ONLY = {"vendor", "pciVendorID", "pciDeviceID", "nvlinkIsland", "nvlinkClique", "pcieSwitch"}
 MAX_ATTRIBUTES_AND_CAPACITIES = 32  # per device, resource.k8s.io/v1
 
 
@@ -57,7 +58,8 @@ def test_the_table_lists_nvidias_attributes() -> None:
     assert {row.name for row in ROWS} >= {
         "type", "uuid", "productName", "brand", "architecture", "cudaComputeCapability",
         "driverVersion", "cudaDriverVersion", "addressingMode", "resource.kubernetes.io/pciBusID",
-        "resource.kubernetes.io/pcieRoot", "pcieBusID", "parentUUID", "profile", "memory",
+        "resource.kubernetes.io/pcieRoot", "resource.kubernetes.io/numaNode", "pcieBusID", "parentUUID",
+        "profile", "memory",
         "multiprocessors", "copyEngines", "decoders", "encoders", "jpegEngines", "ofaEngines",
         "memorySlice<N>",
     }  # fmt: skip
