@@ -45,7 +45,8 @@ from dra_driver.devices.types import Gpu
 from dra_driver.errors import EXIT_FAILURE, EXIT_USAGE, StartupError
 from dra_driver.kubelet.sockets import KubeletSocketError
 from dra_driver.log import configure, crash_line, error_line, wants_json
-from dra_driver.node.checkpoint import BootIdUnavailable, CheckpointFromNewerDriver
+from dra_driver.node.records import BootIdUnavailable
+from dra_driver.node.store import StoreFromNewerDriver
 from dra_driver.settings import Settings, xid_numbers
 from dra_driver.startup import check_mig_partitions
 
@@ -83,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(argv)
     except StartupError as err:
         return _exit(str(err), err.exit_code, argv)
-    except (DeviceError, KubeletSocketError, BootIdUnavailable, CheckpointFromNewerDriver) as err:
+    except (DeviceError, KubeletSocketError, BootIdUnavailable, StoreFromNewerDriver) as err:
         return _exit(str(err), EXIT_FAILURE, argv)
     except KeyboardInterrupt:
         return 130  # Ctrl-C before the daemon's own signal handling took over
