@@ -25,9 +25,9 @@ import structlog
 
 from dra_driver.devices.backend import Backend, DeviceError
 from dra_driver.devices.types import ComputeMode, ComputePolicy
-from dra_driver.node.records import ClaimRecord, NodeState, SharingRecord
 from dra_driver.node.claims import ClaimRejected
 from dra_driver.node.plan import ClaimPlan
+from dra_driver.node.records import ClaimRecord, NodeState, SharingRecord
 from dra_driver.node.sharing.mps import (
     DEFAULT_READY_TIMEOUT_S,
     MpsDaemonError,

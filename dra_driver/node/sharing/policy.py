@@ -37,10 +37,10 @@ from dataclasses import dataclass
 
 from dra_driver.devices.types import ComputeMode, ComputePolicy, TimeSlice
 from dra_driver.node.api_base import quantity_bytes
-from dra_driver.node.records import GpuPolicyRecord, NodeState, describe
 from dra_driver.node.claims import ClaimRejected
 from dra_driver.node.config import GpuSharing
 from dra_driver.node.plan import ClaimPlan, PlannedDevice
+from dra_driver.node.records import GpuPolicyRecord, NodeState, describe
 from dra_driver.node.sharing.mps import MpsDaemonSpec, MpsDevice, daemon_id
 from dra_driver.resources.naming import gpu_device_name
 
