@@ -101,6 +101,7 @@ class NodeState:
     """Every claim the store holds, read in one transaction: by claim uid."""
 
     claims: dict[str, ClaimRecord] = field(default_factory=dict)
+    boot_id: str = ""  # the boot the store's claims belong to
 
 
 def describe(uid: str, record: ClaimRecord) -> str:

@@ -100,16 +100,17 @@ def recover(
                     ours[device.mig.uuid] = device.mig
     # A spec without a record: the store was lost or damaged, or a crash came between the two.
     for uid in sorted(specs.claim_uids() - set(state.claims)):
-        if specs.held_by_a_writer(uid):
-            # Another instance (rolling update) is between the spec and its record: not a crash's.
+        if specs.held_by_a_writer(uid) or store.claim(uid) is not None:
+            # Another instance (rolling update) is between the spec and its record, or has just
+            # committed it: not a crash's.
             log.info("left the CDI spec of a live prepare to its plugin instance", claim_uid=uid)
             continue
-        record = _recovered(uid, specs, pool, ours)
-        if record is None:
+        rebuilt = _recovered(uid, specs, pool, ours)
+        if rebuilt is None:
             specs.remove(uid)
             continue
         try:
-            store.commit(Reserve(uid, record))
+            store.commit(Reserve(uid, rebuilt))
         except MutationRejected as conflict:
             log.error(
                 "two CDI specs claim one device; the second claim is not recorded",
@@ -121,8 +122,8 @@ def recover(
         log.info(
             "recovered a prepared claim from its CDI spec",
             claim_uid=uid,
-            devices=[d.device for d in record.devices],
-            admin_access=[d.device for d in record.devices if d.admin_access],
+            devices=[d.device for d in rebuilt.devices],
+            admin_access=[d.device for d in rebuilt.devices if d.admin_access],
         )
     claimed = {d.mig.uuid for r in store.snapshot().claims.values() for d in r.devices if d.mig is not None}
     if unclaimed := sorted(set(ours) - claimed):

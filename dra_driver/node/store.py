@@ -168,7 +168,8 @@ class Store:
 
     def snapshot(self) -> NodeState:
         rows = self._db.execute("SELECT uid, record FROM claims ORDER BY uid").fetchall()
-        return NodeState({uid: ClaimRecord.model_validate_json(record) for uid, record in rows})
+        (boot_id,) = self._db.execute("SELECT value FROM meta WHERE key = 'boot_id'").fetchone()
+        return NodeState({uid: ClaimRecord.model_validate_json(record) for uid, record in rows}, boot_id)
 
     def count(self) -> int:
         return int(self._db.execute("SELECT count(*) FROM claims").fetchone()[0])

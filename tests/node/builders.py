@@ -15,9 +15,9 @@ from dra_driver.devices.simulated import STATE_FILE_NAME, SimulatedBackend
 from dra_driver.node.claim_fetcher import ClaimFetcher
 from dra_driver.node.config import API_VERSION
 from dra_driver.node.preparer import NodePreparer
-from dra_driver.node.records import NodeState
+from dra_driver.node.records import ClaimRecord, NodeState
 from dra_driver.node.sharing.mps_local import LocalMpsDaemons
-from dra_driver.node.store import STORE_FILE, open_read_only
+from dra_driver.node.store import STORE_FILE, Release, Reserve, open_read_only, open_store
 from dra_driver.node.types import ClaimRef
 
 DRIVER = "gpu.dra-driver.dev"
@@ -195,6 +195,25 @@ class Node:
         store = open_read_only(self.store_path)
         try:
             return store.snapshot()
+        finally:
+            store.close()
+
+    def write_records(self, claims: Mapping[str, ClaimRecord], boot_id: str | None = None) -> None:
+        """Record ``claims`` in the node's store, as a plugin of boot ``boot_id`` (default: this one)."""
+        boot = boot_id or self.boot_id_path.read_text().strip()
+        store = open_store(self.store_path, boot).store
+        try:
+            for uid, record in claims.items():
+                store.commit(Reserve(uid, record))
+        finally:
+            store.close()
+
+    def drop_records(self, *uids: str) -> None:
+        """Forget claims in the node's store, as a crash between a spec and its record leaves them."""
+        store = open_store(self.store_path, self.boot_id_path.read_text().strip()).store
+        try:
+            for uid in uids:
+                store.commit(Release(uid))
         finally:
             store.close()
 

@@ -95,7 +95,9 @@ def test_a_full_gpu_and_a_mig_device_on_it_exclude_each_other(store: Store) -> N
     store.commit(Reserve("mig", record("mig", device("gpu-0-mig-3g40gb-9-4", mig=placement(4, 4)))))
     assert "cannot be prepared whole" in refused(store, "full", record("full", "gpu-0"))
     store.commit(Reserve("other", record("other", device("gpu-0-mig-3g40gb-9-0", mig=placement(0, 4)))))
-    assert "overlaps MIG device gpu-0-mig-3g40gb-9-4" in refused(store, "in", record("in", device("gpu-0-mig-1g10gb-19-5")))
+    assert "overlaps MIG device gpu-0-mig-3g40gb-9-4" in refused(
+        store, "in", record("in", device("gpu-0-mig-1g10gb-19-5"))
+    )
     store.commit(Release("mig"))
     store.commit(Release("other"))
     store.commit(Reserve("full", record("full", "gpu-0")))
@@ -169,7 +171,8 @@ def test_an_earlier_boots_claims_are_reported_stale_and_dropped(tmp_path: Path) 
     store.add_mig_device(placement(0, 1).model_copy(update={"uuid": "MIG-1"}))
     opened = open_store(path, "boot-2")
     assert (opened.earlier_boot, opened.stale) == (True, ("a",))
-    assert opened.store.snapshot().claims == {} and opened.store.mig_devices() == {}
+    assert opened.store.snapshot().claims == {}
+    assert opened.store.mig_devices() == {}
     assert not open_store(path, "boot-2").earlier_boot
 
 
@@ -194,7 +197,8 @@ def test_a_damaged_store_is_moved_aside_and_started_afresh(tmp_path: Path, conte
         data[4096:8192] = b"\x00\x13" * 2048
         path.write_bytes(bytes(data))
     opened = open_store(path, BOOT)
-    assert opened.moved_aside is not None and opened.moved_aside.exists()
+    assert opened.moved_aside is not None
+    assert opened.moved_aside.exists()
     assert opened.store.snapshot().claims == {}
     opened.store.commit(Reserve("a", record("a", "gpu-0")))
 
