@@ -107,7 +107,7 @@ def _read(snapshot: Path) -> tuple[str, dict[str, ClaimRecord]]:
     try:
         claims = {uid: ClaimRecord.model_validate(r, strict=False) for uid, r in payload["claims"].items()}
         boot_id, generation = str(payload["bootId"]), int(payload["generation"])
-    except (ValidationError, TypeError, KeyError, AttributeError) as error:
+    except (ValidationError, ValueError, TypeError, KeyError, AttributeError) as error:
         raise ValueError(f"payload does not match schema 2: {error}") from None
     return boot_id, _replayed(snapshot.with_name(f"{snapshot.name}.log"), generation, claims)
 
@@ -133,10 +133,11 @@ def _replayed(path: Path, generation: int, claims: dict[str, ClaimRecord]) -> di
             if body["generation"] != generation + 1:
                 break
             updates = {uid: ClaimRecord.model_validate(r, strict=False) for uid, r in body["set"].items()}
-            for uid in body["delete"]:
-                claims.pop(uid, None)
+            deleted = [uid for uid in body["delete"] if isinstance(uid, str)]
         except (ValueError, TypeError, KeyError, AttributeError, ValidationError):
             break
+        for uid in deleted:
+            claims.pop(uid, None)
         claims.update(updates)
         generation += 1
     return claims

@@ -213,8 +213,6 @@ class Store:
                 case Release(uid=uid, attempt=attempt):
                     if existing is not None and attempt in (None, existing.attempt):
                         _delete(db, uid)
-            crashpoint.reached("store.before_commit")
-        crashpoint.reached("store.after_commit")
 
     def add_mig_device(self, mig: MigRecord) -> None:
         """Remember a MIG device the driver just created (``mig.uuid`` set)."""
@@ -236,6 +234,7 @@ class Store:
             raise StoreWriteError(f"cannot write the node's store {self.path}: {error}") from None
         try:
             yield self._db
+            crashpoint.reached("store.before_commit")
         except BaseException:
             self._db.execute("ROLLBACK")
             raise
@@ -245,6 +244,7 @@ class Store:
             with contextlib.suppress(sqlite3.Error):
                 self._db.execute("ROLLBACK")
             raise StoreWriteError(f"cannot write the node's store {self.path}: {error}") from None
+        crashpoint.reached("store.after_commit")
 
     @staticmethod
     def _claim_in(db: sqlite3.Connection, uid: str) -> ClaimRecord | None:
