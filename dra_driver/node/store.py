@@ -231,20 +231,32 @@ class Store:
         try:
             self._db.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as error:
-            raise StoreWriteError(f"cannot write the node's store {self.path}: {error}") from None
+            raise self._write_error(error) from None
         try:
             yield self._db
             crashpoint.reached("store.before_commit")
-        except BaseException:
-            self._db.execute("ROLLBACK")
+        except BaseException as error:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.execute("ROLLBACK")
+            if isinstance(error, sqlite3.Error):  # an I/O error, a full disk: the change did not happen
+                raise self._write_error(error) from None
             raise
         try:
             self._db.execute("COMMIT")
         except sqlite3.Error as error:
             with contextlib.suppress(sqlite3.Error):
                 self._db.execute("ROLLBACK")
-            raise StoreWriteError(f"cannot write the node's store {self.path}: {error}") from None
+            raise self._write_error(error) from None
         crashpoint.reached("store.after_commit")
+
+    def _write_error(self, error: sqlite3.Error) -> StoreWriteError:
+        # sqlite says "database or disk is full"; the user looks for the kernel's words.
+        cause = (
+            "No space left on device"
+            if getattr(error, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+            else error
+        )
+        return StoreWriteError(f"cannot write the node's store {self.path}: {cause}")
 
     @staticmethod
     def _claim_in(db: sqlite3.Connection, uid: str) -> ClaimRecord | None:

@@ -25,6 +25,7 @@ from dra_driver.node.store import (
     Reserve,
     Store,
     StoreFromNewerDriver,
+    StoreWriteError,
     open_store,
 )
 
@@ -268,3 +269,15 @@ def test_a_checkpoint_of_a_newer_schema_is_refused_and_left_alone(tmp_path: Path
     assert (tmp_path / "checkpoint.json").exists()
     with pytest.raises(StoreFromNewerDriver):  # and again at the next start
         open_store(tmp_path / STORE_FILE, BOOT)
+
+
+def test_a_full_disk_fails_the_change_alone_and_says_so(store: Store) -> None:
+    store.commit(Reserve("a", record("a", "gpu-0")))
+    (pages,) = store._db.execute("PRAGMA page_count").fetchone()
+    store._db.execute(f"PRAGMA max_page_count = {pages}")  # the file may grow no more: SQLITE_FULL
+    many = record("b", *(f"dev-{i}" for i in range(400)))
+    with pytest.raises(StoreWriteError, match="No space left on device"):
+        store.commit(Reserve("b", many))
+    assert set(store.snapshot().claims) == {"a"}
+    store._db.execute("PRAGMA max_page_count = 1073741823")
+    store.commit(Reserve("b", many))  # space again: the retry goes through
