@@ -1,7 +1,7 @@
 """The kubelet-plugin daemon: wires discovery, publishing, the kubelet sockets and prepare together.
 
 Start-up order matters to the kubelet: the sockets are already open when this runs
-(:mod:`dra_driver.launch`), and claim calls wait until the checkpoint is repaired (so a re-prepare
+(:mod:`dra_driver.launch`), and claim calls wait until the store is repaired (so a re-prepare
 after a crash sees the truth); slices are published in the background so an API outage delays
 nothing on the node. What only some nodes use is imported only there: ComputeDomains behind
 their gate, the status server and its metrics behind an HTTP address.
