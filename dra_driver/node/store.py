@@ -65,12 +65,13 @@ _SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) STRICT;
 CREATE TABLE claims (
     uid TEXT PRIMARY KEY, namespace TEXT NOT NULL, name TEXT NOT NULL, phase TEXT NOT NULL,
-    attempt TEXT NOT NULL, has_mig INTEGER NOT NULL, record TEXT NOT NULL
+    attempt TEXT NOT NULL, record TEXT NOT NULL
 ) STRICT;
 CREATE TABLE holds (
     uid TEXT NOT NULL, pool TEXT NOT NULL, gpu TEXT NOT NULL, unit TEXT NOT NULL, device TEXT NOT NULL,
-    shared INTEGER NOT NULL
+    shared INTEGER NOT NULL, mig_uuid TEXT
 ) STRICT;
+CREATE INDEX holds_of_mig ON holds (mig_uuid) WHERE mig_uuid IS NOT NULL;
 CREATE UNIQUE INDEX one_holder ON holds (pool, gpu, unit);
 CREATE INDEX holds_of_claim ON holds (uid);
 CREATE INDEX holds_by_kind ON holds (pool, gpu, shared);
@@ -176,13 +177,8 @@ class Store:
 
     def mig_holders(self) -> dict[str, str]:
         """MIG uuid -> uid of the claim the driver created it for."""
-        rows = self._db.execute("SELECT uid, record FROM claims WHERE has_mig").fetchall()
-        return {
-            device.mig.uuid: uid
-            for uid, record in rows
-            for device in ClaimRecord.model_validate_json(record).devices
-            if device.mig is not None and device.mig.uuid is not None
-        }
+        rows = self._db.execute("SELECT DISTINCT mig_uuid, uid FROM holds WHERE mig_uuid IS NOT NULL")
+        return dict(rows.fetchall())
 
     def mig_devices(self) -> dict[str, MigRecord]:
         """The MIG devices the driver created and has not destroyed, by uuid."""
@@ -274,12 +270,13 @@ def _put(db: sqlite3.Connection, uid: str, record: ClaimRecord) -> None:
     db.execute("DELETE FROM holds WHERE uid = ?", (uid,))
     kinds: dict[tuple[str, str], tuple[DeviceRecord, bool]] = {}
     for device in record.devices:
+        mig_uuid = device.mig.uuid if device.mig is not None else None
         for gpu, unit in dict.fromkeys(units(device)):  # one claim's results may name one device twice
             shared = device.share_id is not None
             try:
                 db.execute(
-                    "INSERT INTO holds VALUES (?, ?, ?, ?, ?, ?)",
-                    (uid, device.pool, gpu, unit, device.device, shared),
+                    "INSERT INTO holds VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (uid, device.pool, gpu, unit, device.device, shared, mig_uuid),
                 )
             except sqlite3.IntegrityError:
                 row = db.execute(
@@ -297,16 +294,14 @@ def _put(db: sqlite3.Connection, uid: str, record: ClaimRecord) -> None:
         ).fetchone()
         if row is not None:
             raise MutationRejected(_mixed(device, gpu, _holder(db, row[0])))
-    has_mig = any(d.mig is not None for d in record.devices)
     db.execute(
-        "INSERT OR REPLACE INTO claims VALUES (?, ?, ?, ?, ?, ?, ?)",
+        "INSERT OR REPLACE INTO claims VALUES (?, ?, ?, ?, ?, ?)",
         (
             uid,
             record.namespace,
             record.name,
             record.phase,
             record.attempt,
-            has_mig,
             record.model_dump_json(by_alias=True),
         ),
     )
