@@ -66,16 +66,14 @@ CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) STRICT;
 CREATE TABLE claims (
     uid TEXT PRIMARY KEY, namespace TEXT NOT NULL, name TEXT NOT NULL, phase TEXT NOT NULL,
     attempt TEXT NOT NULL, record TEXT NOT NULL
-) STRICT;
+) STRICT, WITHOUT ROWID;
 CREATE TABLE holds (
-    uid TEXT NOT NULL, pool TEXT NOT NULL, gpu TEXT NOT NULL, unit TEXT NOT NULL, device TEXT NOT NULL,
-    shared INTEGER NOT NULL, mig_uuid TEXT
-) STRICT;
+    pool TEXT NOT NULL, gpu TEXT NOT NULL, unit TEXT NOT NULL, uid TEXT NOT NULL, device TEXT NOT NULL,
+    shared INTEGER NOT NULL, mig_uuid TEXT,
+    PRIMARY KEY (pool, gpu, unit)  -- one holder per unit of hardware: the exclusivity rule
+) STRICT, WITHOUT ROWID;
 CREATE INDEX holds_of_mig ON holds (mig_uuid) WHERE mig_uuid IS NOT NULL;
-CREATE UNIQUE INDEX one_holder ON holds (pool, gpu, unit);
-CREATE INDEX holds_of_claim ON holds (uid);
-CREATE INDEX holds_by_kind ON holds (pool, gpu, shared);
-CREATE TABLE mig_devices (uuid TEXT PRIMARY KEY, record TEXT NOT NULL) STRICT;
+CREATE TABLE mig_devices (uuid TEXT PRIMARY KEY, record TEXT NOT NULL) STRICT, WITHOUT ROWID;
 """
 
 _MIG_NAME = re.compile(r"(gpu-\d+)-mig-.+-(\d+)")
@@ -136,7 +134,11 @@ class Opened:
 
 
 def units(device: DeviceRecord) -> list[tuple[str, str]]:
-    """(GPU, unit) rows that ``device`` occupies (see the module doc); none for admin access."""
+    """(GPU, unit) rows that ``device`` occupies (see the module doc); none for admin access.
+
+    Part of the schema: a claim's rows are found again (and deleted) by the units its record
+    gives, so a change here needs a new ``SCHEMA_VERSION``.
+    """
     if device.admin_access:
         return []
     if device.share_id is not None:
@@ -198,17 +200,17 @@ class Store:
                             f"claim {describe(uid, existing)} is being prepared concurrently "
                             "(by another plugin instance?); the kubelet will retry"
                         )
-                    _put(db, uid, record)
+                    _put(db, uid, record, existing)
                 case Progress(uid=uid, record=record):
                     if existing is None or existing.attempt != record.attempt:
                         raise MutationRejected(
                             f"claim {uid} was unprepared or taken over while it was being prepared; "
                             "the kubelet will retry"
                         )
-                    _put(db, uid, record)
+                    _put(db, uid, record, existing)
                 case Release(uid=uid, attempt=attempt):
                     if existing is not None and attempt in (None, existing.attempt):
-                        _delete(db, uid)
+                        _delete(db, uid, existing)
 
     def add_mig_device(self, mig: MigRecord) -> None:
         """Remember a MIG device the driver just created (``mig.uuid`` set)."""
@@ -260,34 +262,42 @@ class Store:
         return ClaimRecord.model_validate_json(row[0]) if row else None
 
 
-def _delete(db: sqlite3.Connection, uid: str) -> None:
-    db.execute("DELETE FROM holds WHERE uid = ?", (uid,))
+def _delete(db: sqlite3.Connection, uid: str, existing: ClaimRecord | None) -> None:
+    _release_holds(db, uid, existing)
     db.execute("DELETE FROM claims WHERE uid = ?", (uid,))
 
 
-def _put(db: sqlite3.Connection, uid: str, record: ClaimRecord) -> None:
-    """Write ``record`` and its holds; :class:`MutationRejected` when another claim holds a unit."""
-    db.execute("DELETE FROM holds WHERE uid = ?", (uid,))
-    kinds: dict[tuple[str, str], tuple[DeviceRecord, bool]] = {}
-    for device in record.devices:
-        mig_uuid = device.mig.uuid if device.mig is not None else None
-        for gpu, unit in dict.fromkeys(units(device)):  # one claim's results may name one device twice
-            shared = device.share_id is not None
-            try:
-                db.execute(
-                    "INSERT INTO holds VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (uid, device.pool, gpu, unit, device.device, shared, mig_uuid),
-                )
-            except sqlite3.IntegrityError:
-                row = db.execute(
-                    "SELECT uid, device FROM holds WHERE pool = ? AND gpu = ? AND unit = ?",
-                    (device.pool, gpu, unit),
-                ).fetchone()
-                if row[0] == uid:
-                    continue
+def _release_holds(db: sqlite3.Connection, uid: str, existing: ClaimRecord | None) -> None:
+    """Delete the rows ``existing`` holds: they are found by their key, the units its devices occupy."""
+    if existing is not None:
+        rows = {(d.pool, gpu, unit, uid) for d in existing.devices for gpu, unit in units(d)}
+        db.executemany("DELETE FROM holds WHERE pool = ? AND gpu = ? AND unit = ? AND uid = ?", rows)
+
+
+def _put(db: sqlite3.Connection, uid: str, record: ClaimRecord, existing: ClaimRecord | None) -> None:
+    """Write ``record`` (replacing ``existing``) and its holds; :class:`MutationRejected` on a conflict."""
+    _release_holds(db, uid, existing)
+    rows: dict[tuple[str, str, str], tuple[DeviceRecord, bool, str | None]] = {}
+    for device in record.devices:  # one claim's results may name one device twice: the first one's
+        for gpu, unit in units(device):
+            mig_uuid = device.mig.uuid if device.mig is not None else None
+            rows.setdefault((device.pool, gpu, unit), (device, device.share_id is not None, mig_uuid))
+    try:
+        db.executemany(
+            "INSERT INTO holds VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [(*key, uid, device.device, shared, mig) for key, (device, shared, mig) in rows.items()],
+        )
+    except sqlite3.IntegrityError:  # the primary key: another claim holds one of the units
+        for (pool, gpu, unit), (device, _, _) in rows.items():
+            row = db.execute(
+                "SELECT uid, device FROM holds WHERE pool = ? AND gpu = ? AND unit = ? AND uid != ?",
+                (pool, gpu, unit, uid),
+            ).fetchone()
+            if row is not None:
                 raise MutationRejected(_conflict(device, gpu, row[1], _holder(db, row[0]))) from None
-            kinds[(device.pool, gpu)] = (device, shared)
-    for (pool, gpu), (device, shared) in kinds.items():
+        raise
+    kinds = {(p, g, s): d for (p, g, _), (d, s, _) in rows.items()}  # a GPU's holds are all shares or none
+    for (pool, gpu, shared), device in kinds.items():
         row = db.execute(
             "SELECT uid, device FROM holds WHERE pool = ? AND gpu = ? AND shared = ? AND uid != ? LIMIT 1",
             (pool, gpu, not shared, uid),
@@ -384,7 +394,7 @@ def open_store(path: Path, boot_id: str) -> Opened:
                     db.execute(statement)
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             db.execute("INSERT INTO meta VALUES ('boot_id', ?)", (boot_id,))
-            stale = legacy.import_into(db, path.parent, boot_id, _put)
+            stale = legacy.import_into(db, path.parent, boot_id, lambda db, uid, r: _put(db, uid, r, None))
         else:
             (recorded,) = db.execute("SELECT value FROM meta WHERE key = 'boot_id'").fetchone()
             stale = None if recorded == boot_id else _forget_earlier_boot(db, recorded, boot_id)
