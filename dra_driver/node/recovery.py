@@ -13,9 +13,9 @@ with all that its prepare recorded and the spec tells (each device, its share id
 admin access: ``DRA_GPU_ADMIN_ACCESS_<DEVICE>=true``, the MIG device the driver made
 for it), which keeps those devices reserved until the kubelet's unprepare (or a
 repeated prepare) replaces the record. It is inserted through the store's
-constraint-checked path, like a prepare: two specs that claim one device are logged
-as a conflict naming both claims, and the second is not recorded, never written over
-the first. No API call is
+constraint-checked path, like a prepare, oldest spec first: two specs that claim one
+device are logged as a conflict naming both claims, and the younger is not recorded,
+never written over the older. No API call is
 needed, nor possible: the spec's file name holds only the claim uid, and asking the
 API server cannot tell more than the kubelet will. A spec that cannot be read is
 removed: no runtime could use it either. A spec another plugin instance holds locked
@@ -99,7 +99,8 @@ def recover(
                     store.add_mig_device(device.mig)
                     ours[device.mig.uuid] = device.mig
     # A spec without a record: the store was lost or damaged, or a crash came between the two.
-    for uid in sorted(specs.claim_uids() - set(state.claims)):
+    # Oldest spec first: should two hold one device, the claim prepared first keeps it.
+    for uid in sorted(specs.claim_uids() - set(state.claims), key=lambda u: (_written(specs, u), u)):
         if specs.held_by_a_writer(uid) or store.claim(uid) is not None:
             # Another instance (rolling update) is between the spec and its record, or has just
             # committed it: not a crash's.
@@ -132,6 +133,13 @@ def recover(
             mig_uuids=unclaimed,
             what_to_do="destroy those no workload uses (nvidia-smi mig -dci, -dgi)",
         )
+
+
+def _written(specs: SpecStore, uid: str) -> int:
+    try:
+        return specs.path_for(uid).stat().st_mtime_ns
+    except OSError:
+        return 0
 
 
 def _recovered(uid: str, specs: SpecStore, pool: str, ours: dict[str, MigRecord]) -> ClaimRecord | None:

@@ -58,7 +58,7 @@ class Kill9Figures:
     lost_claims: int = 0
     double_allocations: int = 0
     failed_claims: int = 0  # claims not prepared or unprepared within RETRIES retries
-    leftover_temp_files: int = 0  # half-written checkpoints or specs still there after the restart
+    leftover_temp_files: int = 0  # half-written specs still there after the restart
     killed_at: Counter[str] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
 
