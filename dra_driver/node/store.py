@@ -41,6 +41,7 @@ Schema 2 was the ``checkpoint.json`` of earlier versions; its files are imported
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import sqlite3
@@ -159,9 +160,29 @@ class Store:
     def __init__(self, path: Path, db: sqlite3.Connection) -> None:
         self.path = path
         self._db = db
+        self._commits = 0  # since the last checkpoint of the write-ahead log was started
+        self._checkpointing: asyncio.Future[None] | None = None
 
     def close(self) -> None:
         self._db.close()
+
+    def _checkpoint_soon(self) -> None:
+        """Copy the write-ahead log into the file now and then, in a worker thread.
+
+        sqlite would do it inside a commit (every 1,000 pages), with two fsyncs, on the event
+        loop; so the serving connection leaves it to a backstop of 10,000 pages, and a connection
+        of the worker thread's own runs a PASSIVE checkpoint, which never blocks a writer, every
+        ``_CHECKPOINT_EVERY`` commits made on an event loop.
+        """
+        self._commits += 1
+        if self._commits < _CHECKPOINT_EVERY or (self._checkpointing and not self._checkpointing.done()):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._commits = 0
+        self._checkpointing = loop.run_in_executor(None, _checkpoint, self.path)
 
     # --- reads -------------------------------------------------------------------------------
 
@@ -246,6 +267,7 @@ class Store:
                 self._db.execute("ROLLBACK")
             raise self._write_error(error) from None
         crashpoint.reached("store.after_commit")
+        self._checkpoint_soon()
 
     def _write_error(self, error: sqlite3.Error) -> StoreWriteError:
         # sqlite says "database or disk is full"; the user looks for the kernel's words.
@@ -427,6 +449,20 @@ def open_read_only(path: Path) -> Store:
     return Store(path, db)
 
 
+_CHECKPOINT_EVERY = 200  # commits: a few hundred KiB of log at most
+
+
+def _checkpoint(path: Path) -> None:
+    try:
+        db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+        try:
+            db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        finally:
+            db.close()
+    except sqlite3.Error as error:  # the next one tries again; the log only grows meanwhile
+        log.warning("could not checkpoint the node's store", error=str(error))
+
+
 def _connect(path: Path) -> sqlite3.Connection:
     # Autocommit (isolation_level None): the transactions are ours, BEGIN IMMEDIATE each. Used from
     # the start-up thread, then from the event loop: never from two threads at once.
@@ -434,6 +470,7 @@ def _connect(path: Path) -> sqlite3.Connection:
     try:
         db.execute("PRAGMA journal_mode = WAL")
         db.execute("PRAGMA synchronous = NORMAL")
+        db.execute("PRAGMA wal_autocheckpoint = 10000")  # a backstop: see Store._checkpoint_soon
         (verdict,) = db.execute("PRAGMA quick_check").fetchone()
         if verdict != "ok":
             raise sqlite3.DatabaseError(f"quick_check: {verdict}")

@@ -281,3 +281,16 @@ def test_a_full_disk_fails_the_change_alone_and_says_so(store: Store) -> None:
     assert set(store.snapshot().claims) == {"a"}
     store._db.execute("PRAGMA max_page_count = 1073741823")
     store.commit(Reserve("b", many))  # space again: the retry goes through
+
+
+async def test_on_the_event_loop_the_log_is_copied_into_the_file_by_a_worker_thread(tmp_path: Path) -> None:
+    store = open_store(tmp_path / STORE_FILE, BOOT).store
+    for i in range(250):  # more than one checkpoint's worth of commits
+        store.commit(Reserve(f"c{i}", record(f"c{i}", f"dev-{i}")))
+    assert store._checkpointing is not None
+    await store._checkpointing
+
+    # The file alone (immutable: its write-ahead log unread) has the claims of the first 200 commits.
+    main_only = sqlite3.connect(f"{(tmp_path / STORE_FILE).as_uri()}?immutable=1", uri=True)
+    (count,) = main_only.execute("SELECT count(*) FROM claims").fetchone()
+    assert count >= 200
