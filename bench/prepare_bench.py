@@ -66,7 +66,7 @@ DESIGN = {
     f"at once on one connection. A node has {GPUS} GPUs, so these claims use admin-access allocations "
     f"({BURST_CLAIMS // GPUS} per GPU, in a namespace labelled resource.kubernetes.io/admin-access=true, "
     "which the API server requires of them): admin access is never exclusive, and the driver prepares it "
-    "by the same steps (GET, plan, two checkpoint commits, CDI spec). The 1-claim pods alternate with "
+    "by the same steps (GET, plan, two store commits, CDI spec). The 1-claim pods alternate with "
     "admin-access 1-claim pods, and their ratio checks that both cost the same.",
     "serial": "The serial baseline prepares the same claims one call at a time: the most a plugin that "
     "serializes every call (the upstream Go helper's one mutex) could reach, less its gRPC overlap. A "

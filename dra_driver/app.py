@@ -1,7 +1,7 @@
 """The kubelet-plugin daemon: wires discovery, publishing, the kubelet sockets and prepare together.
 
 Start-up order matters to the kubelet: the sockets are already open when this runs
-(:mod:`dra_driver.launch`), and claim calls wait until the checkpoint is repaired (so a re-prepare
+(:mod:`dra_driver.launch`), and claim calls wait until the store is repaired (so a re-prepare
 after a crash sees the truth); slices are published in the background so an API outage delays
 nothing on the node. What only some nodes use is imported only there: ComputeDomains behind
 their gate, the status server and its metrics behind an HTTP address.
@@ -45,6 +45,7 @@ from dra_driver.node.preparer import NodePreparer
 from dra_driver.node.sharing.mps import MpsDaemons
 from dra_driver.node.sharing.mps_deployment import DeploymentMpsDaemons
 from dra_driver.node.sharing.mps_local import LocalMpsDaemons
+from dra_driver.node.store import STORE_FILE
 from dra_driver.resources.devices import (
     PartitionPolicy,
     build_devices,
@@ -80,7 +81,6 @@ if TYPE_CHECKING:  # only for the annotations: dra_driver.kube imports the clien
 
 log = structlog.get_logger("dra_driver.app")
 
-CHECKPOINT_FILE = "checkpoint.json"
 # How long shutdown waits for claim operations the kubelet no longer waits for (a MIG device
 # being created, a claim being read): with the DRA socket's 5 s grace this stays within the
 # pod's default 30 s termination grace period, before the backend and the API client close.
@@ -534,7 +534,7 @@ async def _serve(
         claims=ApiServerClaimFetcher(api),
         specs=SpecStore(settings.cdi_dir, settings.driver_name),
         common_edits=edits_for(settings, inventory),
-        checkpoint_path=state_dir / CHECKPOINT_FILE,
+        store_path=state_dir / STORE_FILE,
         boot_id_path=settings.boot_id_file,
         partition=partition_policy(settings.mig_partitions, settings.driver_name),
         consumable=settings.consumable_capacity,

@@ -45,7 +45,8 @@ from dra_driver.devices.types import Gpu
 from dra_driver.errors import EXIT_FAILURE, EXIT_USAGE, StartupError
 from dra_driver.kubelet.sockets import KubeletSocketError
 from dra_driver.log import configure, crash_line, error_line, wants_json
-from dra_driver.node.checkpoint import BootIdUnavailable, CheckpointFromNewerDriver
+from dra_driver.node.records import BootIdUnavailable
+from dra_driver.node.store import StoreFromNewerDriver
 from dra_driver.settings import Settings, xid_numbers
 from dra_driver.startup import check_mig_partitions
 
@@ -83,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(argv)
     except StartupError as err:
         return _exit(str(err), err.exit_code, argv)
-    except (DeviceError, KubeletSocketError, BootIdUnavailable, CheckpointFromNewerDriver) as err:
+    except (DeviceError, KubeletSocketError, BootIdUnavailable, StoreFromNewerDriver) as err:
         return _exit(str(err), EXIT_FAILURE, argv)
     except KeyboardInterrupt:
         return 130  # Ctrl-C before the daemon's own signal handling took over
@@ -158,6 +159,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     inventory.set_defaults(run=_inventory)
 
+    state = commands.add_parser(
+        "state",
+        help="print what the node's store holds: prepared claims and their devices, MIG devices the "
+        "driver made, MPS daemons, compute modes to restore (read-only; the plugin may be running)",
+    )
+    add_settings_flags(state, ["driver_name", "data_dir", "plugins_dir"])
+    state.add_argument("-o", "--output", choices=("table", "json"), default="table", help="output format")
+    state.set_defaults(run=_state)
+
     webhook = commands.add_parser(
         "webhook",
         help="serve the validating admission webhook for opaque configs and capacity requests "
@@ -212,6 +222,15 @@ def _kubelet_plugin(args: argparse.Namespace) -> int:
     for name in unknown_env_settings():
         log.warning("environment variable names no setting; ignored", variable=name, settings=_SETTINGS_DOC)
     asyncio.run(run_plugin(settings))
+    return 0
+
+
+def _state(args: argparse.Namespace) -> int:
+    from dra_driver import state_command
+
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `dra-driver state | head` ends quietly
+    settings = settings_from(args)
+    print(state_command.render(state_command.read(settings.state_dir), args.output))
     return 0
 
 

@@ -2,7 +2,7 @@
 
 ``kill -9`` from outside lands wherever the process happens to be; to prove that a crash at
 *every* step of prepare and unprepare loses nothing, the suite also needs to kill it exactly
-before and after each journal commit, data file write, CDI spec write and MIG create or destroy. Those steps
+before and after each transaction of the node's store, CDI spec write and MIG create or destroy. Those steps
 call :func:`reached` with their name. With the environment variable ``TEST_DRA_CRASH_POINT``
 unset -- always, outside the suite -- :func:`reached` is a function that returns at once.
 
@@ -22,18 +22,16 @@ from collections.abc import Callable
 ENV = "TEST_DRA_CRASH_POINT"
 
 POINTS = (
-    "journal.before_append",  # a group commit of the checkpoint journal, before its log line is written
-    "journal.after_append",  # ... and once it is written, before any waiter hears of it
-    # Every atomic file write of the data directory: the checkpoint's snapshot (at start-up and
-    # when the log is compacted), the log's header, the ledger of created MIG devices.
-    "datafile.before_rename",  # written and synced, not yet renamed into place
-    "datafile.after_write",  # in place and durable
+    # Every transaction of the node's store (a claim's record, the table of MIG devices; at start-up
+    # the recovery's too): its changes made, not yet committed (the crash rolls them back) ...
+    "store.before_commit",
+    "store.after_commit",  # ... and committed, before the caller hears of it
     "cdi.before_rename",
     "cdi.after_write",
     "cdi.before_remove",
     "cdi.after_remove",
     "mig.before_create",
-    "mig.after_create",  # the MIG device exists; the checkpoint does not name it yet
+    "mig.after_create",  # the MIG device exists; the store does not name it yet
     "mig.before_destroy",
     "mig.after_destroy",
 )

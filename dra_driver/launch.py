@@ -5,7 +5,7 @@ nothing else of it. So the daemon checks its settings (a bad one still ends the 
 its one line before anything opens), imports only what the sockets need (grpc, the
 generated protos, :mod:`dra_driver.kubelet`), serves the DRA socket and then the
 registration socket, and only then imports and builds the rest: the API client, the GPUs,
-the checkpoint, the slices, the status server (:func:`dra_driver.app.serve_node`). Claim
+the node's store, the slices, the status server (:func:`dra_driver.app.serve_node`). Claim
 calls that arrive meanwhile wait for the preparer (:mod:`dra_driver.kubelet.deferred`
 says what the kubelet makes of that); ``/readyz`` says not-ready until the plugin is
 registered and its slices are published, as before.
@@ -38,7 +38,7 @@ class KubeletFront:
     """What the kubelet already talks to while the rest of the daemon starts."""
 
     plugin: KubeletPlugin
-    claims: DeferredPreparer  # hand it the real preparer once the checkpoint is repaired
+    claims: DeferredPreparer  # hand it the real preparer once the store is repaired
     health: HealthBoard  # the devices' health, streamed to the kubelet
 
 

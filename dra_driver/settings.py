@@ -135,8 +135,8 @@ class Settings(BaseModel):
     data_dir: Annotated[
         Path | None,
         Field(
-            description="Where the checkpoint (and the simulator's GPU state) is kept; "
-            "default <plugins-dir>/<driver-name>."
+            description="Where the node's store of prepared claims (state.db) and the simulator's "
+            "GPU state are kept; default <plugins-dir>/<driver-name>."
         ),
     ] = None
     cdi_dir: Annotated[Path, Field(description="Directory the container runtime reads CDI specs from.")] = (

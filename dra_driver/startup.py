@@ -25,7 +25,7 @@ from dra_driver.kubelet.sockets import (
     check_socket_path,
     socket_paths,
 )
-from dra_driver.node.checkpoint import read_boot_id
+from dra_driver.node.records import read_boot_id
 from dra_driver.settings import MIG_PARTITION_KEYWORDS, Settings, partition_gpus
 
 if TYPE_CHECKING:  # check_before_starting runs before the kubelet sockets open: it imports neither

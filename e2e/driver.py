@@ -1,7 +1,7 @@
 """The driver daemon as a node runs it: `python -m dra_driver kubelet-plugin`, a separate process with
 simulated GPUs, every path it uses under one directory of the test's.
 
-The directories outlive a run: `restart()` starts the daemon again on the same checkpoint, CDI specs
+The directories outlive a run: `restart()` starts the daemon again on the same store, CDI specs
 and simulated GPU state, as a restarted DaemonSet pod finds its host paths.
 """
 

@@ -60,7 +60,7 @@ CHART_SETS: dict[str, ChartSets] = {
     "kubeconfig": ChartSets(None, "unset: the pod's service account (in-cluster configuration)"),
     "data_dir": ChartSets(
         None,
-        "unset: the default, inside the host directory the chart mounts, so the checkpoint outlives the pod",
+        "unset: the default, inside the host directory the chart mounts, so the store outlives the pod",
     ),
     "boot_id_file": ChartSets(None, "unset: the kernel shows the host's boot id in every container"),
     "driver_root_mount": ChartSets(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dra_driver.node.checkpoint import ClaimRecord, DeviceRecord, MigRecord
+from dra_driver.node.records import ClaimRecord, DeviceRecord, MigRecord
 from e2e.reliability.plugin import NodeState
 from e2e.reliability.suite import missed_goals
 

@@ -9,9 +9,9 @@ so that a killed plugin leaves either the old spec or the new one.
 Nothing is fsynced, and that loses nothing: a killed process loses nothing the kernel
 already has (the rename is atomic for every reader), and an operating-system crash is a
 reboot, after which the plugin removes every spec of ours, whole or torn, before it
-serves (the boot id in the fsynced checkpoint snapshot says the claims belong to an
-earlier boot; see :mod:`dra_driver.node.recovery`). The same rule lets the checkpoint's
-log skip its fsyncs (:mod:`dra_driver.node.checkpoint_log`). The default directory,
+serves (the boot id in the node's store says the claims belong to an earlier boot; see
+:mod:`dra_driver.node.recovery`). The same rule lets the store's commits skip their
+fsyncs (:mod:`dra_driver.node.store`). The default directory,
 ``/var/run/cdi``, is a tmpfs anyway, where an fsync does nothing.
 
 All methods block on the file system, briefly: the preparer calls them on the event loop,
@@ -174,7 +174,7 @@ class SpecStore:
         return removed
 
     def claim_uids(self) -> set[str]:
-        """The claims that have a spec file of ours, e.g. to clean up after a lost checkpoint."""
+        """The claims that have a spec file of ours, e.g. to clean up after a lost store."""
         try:
             entries = list(os.scandir(self._dir))
         except FileNotFoundError:

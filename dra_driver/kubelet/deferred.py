@@ -2,7 +2,7 @@
 
 The daemon opens its kubelet sockets as soon as its settings are checked, so the kubelet
 registers it a fraction of a second after start, and builds the real preparer behind them:
-the API client, the GPUs, the checkpoint repaired after a crash. A ``NodePrepareResources``
+the API client, the GPUs, the node's store repaired after a crash. A ``NodePrepareResources``
 or ``NodeUnprepareResources`` that arrives in between waits here until that preparer is
 ready, and is then served by it like any other call.
 

@@ -17,7 +17,7 @@ After a claim is prepared, every result of ours gets an entry in the claim's sta
 
 so that monitoring tools map a claim, and through it a pod, to the hardware (DCGM exporters
 label their metrics with the GPU uuid). The entries are written again when the health of a
-device changes, and when the plugin starts (for the claims its checkpoint holds).
+device changes, and when the plugin starts (for the claims its store holds).
 
 Writing is best effort and never delays or fails a prepare: a background loop writes with
 server-side apply (field manager = the driver name, so entries of other drivers and fields

@@ -11,7 +11,7 @@ resource/v1beta1``) carry configs such as::
 
 This module decodes them with NVIDIA's field names and rules and translates them into the
 driver's own API (:mod:`dra_driver.node.config`), so everything after decoding (precedence,
-the checks against the device, the checkpoint, the container's environment) is one code path.
+the checks against the device, the store, the container's environment) is one code path.
 
 What each field means, next to NVIDIA's driver:
 

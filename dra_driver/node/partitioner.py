@@ -13,8 +13,9 @@ Reads are serialized, so the last one delivered is never older than a change tha
 completed before it started; and a read that started after a change serves it too,
 so a burst of changes (seven MIG devices on one GPU) costs a few reads, not seven.
 
-Each device created is also entered in the :class:`MigLedger`, and leaves it when it
-is destroyed, so the driver still knows its own devices after losing the checkpoint.
+Each device created is also entered in the store's table of MIG devices the driver
+made, and leaves it when it is destroyed, so the driver still knows its own devices
+after losing a claim's record.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import structlog
 from dra_driver import crashpoint
 from dra_driver.devices.backend import Backend, DeviceError, DeviceInUseError, PlacementUnavailableError
 from dra_driver.devices.types import Inventory, MigDevice, Placement
-from dra_driver.node.checkpoint import MigRecord
-from dra_driver.node.mig_ledger import MigLedger
+from dra_driver.node.records import MigRecord
+from dra_driver.node.store import Store, StoreWriteError
 
 log = structlog.get_logger(__name__)
 
@@ -43,11 +44,11 @@ class Partitioner:
     def __init__(
         self,
         backend: Backend,
-        ledger: MigLedger,
+        store: Callable[[], Store],
         on_inventory_changed: Callable[[Inventory], None] | None,
     ) -> None:
         self._backend = backend
-        self._ledger = ledger
+        self._store = store  # the node's store, once the preparer has opened it
         self._on_inventory_changed = on_inventory_changed
         self._gpu_locks: dict[str, asyncio.Lock] = {}
         self._reading = asyncio.Lock()
@@ -75,9 +76,9 @@ class Partitioner:
                 raise PartitionError(f"cannot create MIG device {device}: {error}") from error
             crashpoint.reached("mig.after_create")
             try:
-                await asyncio.to_thread(self._ledger.add, mig.model_copy(update={"uuid": created.uuid}))
-            except OSError as error:
-                # Unrecorded, it would outlive a lost checkpoint as a static device: take it back.
+                self._store().add_mig_device(mig.model_copy(update={"uuid": created.uuid}))
+            except StoreWriteError as error:
+                # Unrecorded, it would outlive a lost record as a static device: take it back.
                 await asyncio.to_thread(self._backend.destroy_mig_device, mig.parent_uuid, created.uuid)
                 raise PartitionError(
                     f"cannot create MIG device {device}: recording it failed ({error}); the kubelet retries"
@@ -99,9 +100,9 @@ class Partitioner:
                 raise PartitionError(f"cannot destroy MIG device {device} ({mig_uuid}): {error}") from error
             crashpoint.reached("mig.after_destroy")
         try:
-            await asyncio.to_thread(self._ledger.remove, mig_uuid)
-        except OSError as error:  # harmless: start-up forgets entries of devices that are gone
-            log.warning("could not remove a destroyed MIG device from the ledger", error=str(error))
+            self._store().remove_mig_device(mig_uuid)
+        except StoreWriteError as error:  # harmless: start-up forgets entries of devices that are gone
+            log.warning("could not remove a destroyed MIG device from the store", error=str(error))
         log.info("MIG device destroyed", device=device, mig_uuid=mig_uuid, gpu_uuid=parent_uuid)
 
     async def changed(self) -> None:

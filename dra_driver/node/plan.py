@@ -31,8 +31,9 @@ never to a MIG device to create. A GPU's maintenance device, ``gpu-<minor>-maint
 (``dra_driver.resources.devices.maintenance_device``), resolves to the whole GPU, for
 admin access only, also in MIG mode. Either way admin access looks at a device some
 workload may be using, so it gets that device as it is, announced by
-``DRA_GPU_ADMIN_ACCESS_<DEVICE>=true``. The checkpoint does not count it against the device
-(:mod:`dra_driver.node.state`), so unpreparing it leaves the workload's claim alone.
+``DRA_GPU_ADMIN_ACCESS_<DEVICE>=true`` (which also tells recovery, should the store be lost).
+The store does not count it against the device (:mod:`dra_driver.node.store`), so unpreparing
+it leaves the workload's claim alone.
 
 What the sharing settings do. They are validated here (also against the device, e.g. an
 MPS memory limit larger than the device), and announced to the container, per device, as

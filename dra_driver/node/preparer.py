@@ -20,7 +20,7 @@ One prepare, for one claim::
 The one-step commit is safe because a spec on disk without a record is what recovery
 already treats as a prepared claim (:mod:`dra_driver.node.recovery`): after a crash
 between the two, the devices stay reserved until the kubelet's retry or unprepare. It
-halves the checkpoint writes of the common prepare. The spec stays locked until its
+halves the store's writes of the common prepare. The spec stays locked until its
 record is committed, so that a second instance starting meanwhile (a rolling update)
 does not take a live prepare for a crashed one.
 
@@ -30,8 +30,9 @@ MIG devices: while one cannot be destroyed (in use), the claim keeps its record 
 spec and the kubelet retries. Only then are the spec and the record removed.
 
 Claims are independent: each runs in its own task, so one slow GET or a refused
-device delays or fails only its own claim, and their checkpoint writes share fsyncs
-(:mod:`dra_driver.node.journal`). Work on one claim is serialized by a per-claim
+device delays or fails only its own claim. Every change of the claim's record is one
+short transaction of the node's store (:mod:`dra_driver.node.store`), whose schema refuses
+a device to a second claim. Work on one claim is serialized by a per-claim
 lock (the kubelet may retry a claim while the first attempt still runs), and
 continues when the kubelet gives up waiting (its 45 s timeout cancels the RPC): the
 retry then finds it done, and shutdown waits for it (:meth:`NodePreparer.drain`). A
@@ -43,13 +44,13 @@ or unprepare of the claim takes it over.
 The CDI spec is written and removed on the event loop, not in a worker thread: it is a
 file of a few KiB in a local directory (a tmpfs by default), renamed into place and never
 fsynced (:mod:`dra_driver.cdi.store`), which takes less time than a thread hop and the
-wake-up after it. The checkpoint's commits run on the event loop too, for the same reason
-(:mod:`dra_driver.node.journal`). Only NVML calls (MIG devices) go to worker threads.
+wake-up after it. The store's commits run on the event loop too, for the same reason
+(:mod:`dra_driver.node.store`). Only NVML calls (MIG devices) go to worker threads.
 
-Across plugin instances (rolling update) the journal's file lock and conflict rules
+Across plugin instances (rolling update) the store's locking and its unique index
 keep devices exclusive. Two instances preparing the *same* claim at the same moment
 are not coordinated beyond that: the kubelet sends a claim to one plugin at a time. A
-claim the other instance completed after this one read the checkpoint (it stopped before
+claim the other instance completed after this one read its record (it stopped before
 it answered, and the kubelet asks again here) is answered from that instance's record.
 """
 
@@ -70,27 +71,33 @@ from dra_driver.cdi.spec import CommonEdits
 from dra_driver.cdi.store import SpecStore
 from dra_driver.devices.backend import Backend, DeviceError
 from dra_driver.devices.types import Gpu, Inventory, MigDevice
-from dra_driver.node.checkpoint import (
-    Checkpoint,
-    ClaimRecord,
-    DeviceRecord,
-    LoadedCheckpoint,
-    MigRecord,
-    SharingRecord,
-    read_boot_id,
-)
 from dra_driver.node.claim_fetcher import ClaimFetcher, ClaimFetchError
 from dra_driver.node.claims import ClaimRejected, allocated_claim, check_ref
 from dra_driver.node.config import config_json
-from dra_driver.node.journal import CheckpointWriteError, Journal
-from dra_driver.node.mig_ledger import MIG_LEDGER_DIR, MigLedger
 from dra_driver.node.partitioner import Partitioner, PartitionError
 from dra_driver.node.plan import ClaimPlan, MigPlacement, plan_claim
-from dra_driver.node.recovery import starting_state
+from dra_driver.node.records import (
+    ClaimRecord,
+    DeviceRecord,
+    MigRecord,
+    NodeState,
+    SharingRecord,
+    read_boot_id,
+)
+from dra_driver.node.recovery import recover
 from dra_driver.node.sharing.applier import SharingApplier, SharingError
 from dra_driver.node.sharing.mps import MpsDaemonError, MpsDaemons
 from dra_driver.node.sharing.policy import NO_SHARING, SharingPlan, sharing_plan
-from dra_driver.node.state import Complete, MutationRejected, Progress, Release, Reserve
+from dra_driver.node.store import (
+    Complete,
+    MutationRejected,
+    Progress,
+    Release,
+    Reserve,
+    Store,
+    StoreWriteError,
+    open_store,
+)
 from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice, PrepareOutcome
 from dra_driver.resources.devices import PartitionPolicy, partition_all
 from dra_driver.resources.naming import gpu_device_name
@@ -103,7 +110,7 @@ _CLAIM_ERRORS = (
     ClaimRejected,
     ClaimFetchError,
     MutationRejected,
-    CheckpointWriteError,
+    StoreWriteError,
     PartitionError,
     SharingError,
     MpsDaemonError,
@@ -145,7 +152,7 @@ class NodePreparer:
         claims: ClaimFetcher,
         specs: SpecStore,
         common_edits: CommonEdits,
-        checkpoint_path: Path,
+        store_path: Path,
         boot_id_path: Path,
         partition: PartitionPolicy = partition_all,
         consumable: bool = False,
@@ -170,24 +177,37 @@ class NodePreparer:
         self._on_prepared = on_prepared
         self._on_unprepared = on_unprepared
         self._on_idle = on_idle
-        self._journal = Journal(checkpoint_path)
+        self._store_path = store_path
+        self._store: Store | None = None  # opened by start()
         self._locks = _ClaimLocks()
-        self._ledger = MigLedger(checkpoint_path.with_name(MIG_LEDGER_DIR))
-        self._partitioner = Partitioner(backend, self._ledger, on_inventory_changed)
+        self._partitioner = Partitioner(backend, self._state, on_inventory_changed)
         self._in_flight: set[asyncio.Task[Any]] = set()  # claim operations still running
         self._sharing = SharingApplier(backend, mps)
 
     async def start(self) -> None:
-        """Load the checkpoint (repairing it after a reboot, damage or a crash); call once before serving."""
-        boot_id = await asyncio.to_thread(read_boot_id, self._boot_id_path)
-        await self._journal.open(boot_id, self._starting_state)
-        await self._sharing.stop_leftover_daemons(self._journal.refresh)
-        log.info(
-            "prepared claims loaded", claims=len(self._journal.state.claims), path=str(self._journal.path)
-        )
+        """Open the store (repairing it after a reboot, damage or a crash); call once before serving."""
+        self._store = await asyncio.to_thread(self._open)
+        await self._sharing.stop_leftover_daemons(self._fresh_state)
+        log.info("prepared claims loaded", claims=self._store.count(), path=str(self._store.path))
 
-    def _starting_state(self, loaded: LoadedCheckpoint) -> Checkpoint:
-        return starting_state(loaded, self._specs, self._pool, self._ledger, self._live_mig_devices)
+    def _open(self) -> Store:
+        opened = open_store(self._store_path, read_boot_id(self._boot_id_path))
+        recover(opened, self._specs, self._pool, self._live_mig_devices)
+        return opened.store
+
+    def close(self) -> None:
+        """Close the store's connection (a stopped plugin, a test's preparer)."""
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    def _state(self) -> Store:
+        if self._store is None:
+            raise RuntimeError("the preparer serves claims only after start()")
+        return self._store
+
+    async def _fresh_state(self) -> NodeState:
+        return self._state().snapshot()
 
     def _live_mig_devices(self) -> list[MigDevice]:
         return [mig for gpu in self._backend.inventory().gpus for mig in gpu.mig_devices]
@@ -195,28 +215,19 @@ class NodePreparer:
     @property
     def prepared_claims(self) -> int:
         """Claims recorded as prepared (or being prepared) on this node, for the metrics gauge."""
-        return len(self._journal.state.claims)
+        return self._store.count() if self._store is not None else 0
 
     def prepared(self) -> list[tuple[ClaimRef, tuple[PreparedDevice, ...]]]:
-        """The claims the checkpoint holds as completely prepared, with their devices."""
+        """The claims the store holds as completely prepared, with their devices."""
         return [
             (ClaimRef(record.namespace, record.name, uid), _prepared_devices(record))
-            for uid, record in self._journal.state.claims.items()
+            for uid, record in self._state().snapshot().claims.items()
             if record.phase == "PrepareCompleted" and record.namespace
         ]
 
     def owned_mig_uuids(self) -> frozenset[str]:
         """The MIG devices this driver created for claims; every other MIG device is static."""
-        return frozenset(self._mig_holders())
-
-    def _mig_holders(self) -> dict[str, str]:
-        """MIG uuid -> uid of the claim it was created for."""
-        return {
-            device.mig.uuid: uid
-            for uid, record in self._journal.state.claims.items()
-            for device in record.devices
-            if device.mig is not None and device.mig.uuid is not None
-        }
+        return frozenset(self._state().mig_holders())
 
     async def drain(self, grace: float) -> None:
         """Wait up to ``grace`` seconds for the claim operations still running; call once no RPC comes.
@@ -224,7 +235,7 @@ class NodePreparer:
         They are shielded from their RPC's cancellation, so they outlive the kubelet sockets:
         closing the backend or the API client under one would break it between a MIG device
         created and its uuid recorded. What is still running after ``grace`` is logged and left
-        to the checkpoint's recovery at the next start, which takes over or undoes it.
+        to the store's recovery at the next start, which takes over or undoes it.
         """
         if not self._in_flight:
             return
@@ -300,7 +311,8 @@ class NodePreparer:
     async def _prepare(self, ref: ClaimRef) -> tuple[PreparedDevice, ...]:
         check_ref(ref)
         async with self._locks.hold(ref.uid):
-            existing = self._journal.state.claims.get(ref.uid)
+            store = self._state()
+            existing = store.claim(ref.uid)
             if existing is not None and existing.phase == "PrepareCompleted":
                 if (existing.namespace, existing.name) != (ref.namespace, ref.name):
                     raise ClaimRejected(
@@ -327,7 +339,7 @@ class NodePreparer:
                 # when their kernel modules load, possibly after the plugin started.
                 dataclasses.replace(self._common, device_nodes=inventory.control_nodes),
                 partition=self._partition,
-                mig_holders=self._mig_holders(),
+                mig_holders=store.mig_holders(),
                 consumable=self._consumable,
             )
             sharing = sharing_plan(plan)
@@ -345,14 +357,20 @@ class NodePreparer:
                     phase="PrepareStarted" if in_steps else "PrepareCompleted",
                     attempt=secrets.token_hex(8),
                     devices=_device_records(plan),
-                    sharing=await self._sharing.record(ref.uid, plan, sharing, existing, self._journal.state),
+                    sharing=await self._sharing.record(
+                        ref.uid,
+                        plan,
+                        sharing,
+                        existing,
+                        store.snapshot() if sharing.changes_anything else NodeState(),
+                    ),
                 )
                 reserve = Reserve(ref.uid, record, replaces=existing.attempt if existing else None)
                 try:
                     if in_steps:
-                        await self._journal.commit(reserve)
+                        store.commit(reserve)
                     else:
-                        await self._write_spec_and_commit(ref.uid, plan, reserve)
+                        self._write_spec_and_commit(ref.uid, plan, reserve)
                 except MutationRejected:
                     if (theirs := self._completed_elsewhere(ref, existing)) is None:
                         raise
@@ -369,26 +387,26 @@ class NodePreparer:
     def _completed_elsewhere(self, ref: ClaimRef, seen: ClaimRecord | None) -> ClaimRecord | None:
         """The claim's record if another instance completed it since ``seen`` was read, else None.
 
-        The refused commit read the checkpoint afresh: the other instance of a rolling update may
+        The refused commit read the store afresh: the other instance of a rolling update may
         have prepared the claim after this one started, then stopped before it answered the
         kubelet, which now asks here. That prepare stands, as a repeated one would on its instance.
         """
-        record = self._journal.state.claims.get(ref.uid)
+        record = self._state().claim(ref.uid)
         if record is None or record.phase != "PrepareCompleted" or (seen and record.attempt == seen.attempt):
             return None
         if (record.namespace, record.name) != (ref.namespace, ref.name):
             return None
         return record if self._specs.path_for(ref.uid).exists() else None
 
-    async def _write_spec_and_commit(self, uid: str, plan: ClaimPlan, reserve: Reserve) -> None:
+    def _write_spec_and_commit(self, uid: str, plan: ClaimPlan, reserve: Reserve) -> None:
         """The one-step prepare: the spec, then the completed record; no spec stays if it is refused."""
         # Held until the record is committed: another instance starting meanwhile leaves it alone.
         with self._specs.write_held(uid, plan.cdi_spec):
             try:
-                await self._journal.commit(reserve)
+                self._state().commit(reserve)
             except BaseException:
                 # Another attempt's record of this claim (another instance) keeps the spec: theirs too.
-                if uid not in self._journal.state.claims:
+                if self._state().claim(uid) is None:
                     self._specs.remove(uid)
                 raise
 
@@ -424,7 +442,7 @@ class NodePreparer:
             mps_daemon=old.sharing.mps_daemon if old.sharing.mps_daemon != daemon else None,
         )
         try:
-            await self._sharing.undo(uid, replaced, self._journal.state)
+            await self._sharing.undo(uid, replaced, self._state().snapshot())
         except SharingError as error:
             log.error("sharing an earlier attempt applied could not be undone", error=str(error))
 
@@ -441,14 +459,14 @@ class NodePreparer:
                 created.append((name, mig))
                 plan = plan.with_created(name, mig)
                 record = _with_mig_uuid(record, name, mig.uuid)
-                await self._journal.commit(Progress(uid, record))
+                self._state().commit(Progress(uid, record))
                 recorded += 1
             if created:
                 await self._partitioner.changed()
             plan = await self._sharing.apply(plan, sharing, record.sharing)
             self._specs.write(uid, plan.cdi_spec)
             completed = record.model_copy(update={"phase": "PrepareCompleted"})
-            await self._journal.commit(Complete(uid, completed))
+            self._state().commit(Complete(uid, completed))
         except MutationRejected:
             # The record is gone or another attempt's: its spec is not ours to remove, and the MIG
             # devices it names are that attempt's to use. Only the unrecorded ones are ours alone.
@@ -467,11 +485,12 @@ class NodePreparer:
         sharing: SharingRecord | None = None,
     ) -> None:
         try:
-            await self._sharing.undo(uid, sharing, self._journal.state)
+            if sharing is not None:
+                await self._sharing.undo(uid, sharing, self._state().snapshot())
             all_destroyed = await self._destroy_created(created)
             self._specs.remove(uid)
             if all_destroyed:
-                await self._journal.commit(Release(uid, attempt))
+                self._state().commit(Release(uid, attempt))
         except Exception as error:
             log.error("could not undo a failed prepare; the next prepare or unprepare will", error=str(error))
 
@@ -493,11 +512,12 @@ class NodePreparer:
     async def _unprepare(self, ref: ClaimRef) -> None:
         check_ref(ref)
         async with self._locks.hold(ref.uid):
-            # Fresh from disk: during a rolling update the other instance may have prepared it.
-            state = await self._journal.refresh()
-            record = state.claims.get(ref.uid)
+            # From the store: during a rolling update the other instance may have prepared it.
+            store = self._state()
+            record = store.claim(ref.uid)
             if record is None or record.phase == "Recovered":
-                await self._sharing.stop_daemons_of(ref.uid, state)  # the record of its daemons was lost
+                # The record of its daemons was lost.
+                await self._sharing.stop_daemons_of(ref.uid, store.snapshot())
             if record is not None and record.sharing is not None:
                 record = await self._undo_sharing(ref.uid)
             if record is not None:
@@ -505,7 +525,7 @@ class NodePreparer:
             # The spec goes first: as long as it exists, so does the record (see recovery).
             self._specs.remove(ref.uid)
             # Committed even when this instance has no record: the other instance may have one.
-            await self._journal.commit(Release(ref.uid))
+            store.commit(Release(ref.uid))
             log.info("claim unprepared")
 
     async def _undo_sharing(self, uid: str) -> ClaimRecord | None:
@@ -516,13 +536,13 @@ class NodePreparer:
         stop the GPU's daemon and restore its compute mode.
         """
         async with self._sharing.lock:
-            state = await self._journal.refresh()
+            state = self._state().snapshot()
             record = state.claims.get(uid)
             if record is None or record.sharing is None:
                 return record
             await self._sharing.undo(uid, record.sharing, state)
             record = record.model_copy(update={"sharing": None})
-            await self._journal.commit(Progress(uid, record))
+            self._state().commit(Progress(uid, record))
             return record
 
     async def _destroy_recorded(self, uid: str, record: ClaimRecord) -> None:
@@ -541,7 +561,7 @@ class NodePreparer:
             if remaining is not record:
                 # No longer complete: a repeated prepare must create again what is gone.
                 unfinished = remaining.model_copy(update={"phase": "PrepareStarted"})
-                await self._journal.commit(Progress(uid, unfinished))
+                self._state().commit(Progress(uid, unfinished))
             raise
         finally:
             if remaining is not record:
@@ -567,7 +587,7 @@ def _device_records(plan: ClaimPlan) -> tuple[DeviceRecord, ...]:
 
 
 def _mig_record(gpu: Gpu, create: MigPlacement, existing: MigDevice | None = None) -> MigRecord:
-    """What the checkpoint keeps of a MIG device the driver creates (``existing``: made earlier)."""
+    """What the store keeps of a MIG device the driver creates (``existing``: made earlier)."""
     return MigRecord(
         parent_uuid=gpu.uuid,
         parent_device=gpu_device_name(gpu.minor),

@@ -1,16 +1,21 @@
-"""Turning what the checkpoint load found into the state to start from.
+"""Bringing the node's store up to date with what is on the node, at every start.
 
 After a reboot nothing prepared survives, so the claims of the old boot are dropped
 and every CDI spec of ours is removed (``/etc/cdi`` would keep them across a reboot).
 
-After the checkpoint was lost or damaged the CDI specs on disk are the evidence: a
+After the store was lost or damaged the CDI specs on disk are the evidence: a
 spec exists from the moment a prepare starts writing until its unprepare succeeds,
 because unprepare removes the spec *before* it answers the kubelet. And the kubelet
 unprepares every claim it ever asked us to prepare (it keeps its own checkpoint and
 retries from a 60 s reconcile loop). So each spec on disk is a claim the kubelet
 still considers prepared, and will unprepare. Each is re-recorded as ``Recovered``
-with the devices the spec names, which keeps those devices reserved until the
-kubelet's unprepare (or a repeated prepare) replaces the record. No API call is
+with all that its prepare recorded and the spec tells (each device, its share id, its
+admin access: ``DRA_GPU_ADMIN_ACCESS_<DEVICE>=true``, the MIG device the driver made
+for it), which keeps those devices reserved until the kubelet's unprepare (or a
+repeated prepare) replaces the record. It is inserted through the store's
+constraint-checked path, like a prepare, oldest spec first: two specs that claim one
+device are logged as a conflict naming both claims, and the younger is not recorded,
+never written over the older. No API call is
 needed, nor possible: the spec's file name holds only the claim uid, and asking the
 API server cannot tell more than the kubelet will. A spec that cannot be read is
 removed: no runtime could use it either. A spec another plugin instance holds locked
@@ -33,18 +38,20 @@ alive on the GPUs, which survive a restart of the plugin but not a reboot:
   its unprepare destroys it. Nothing is destroyed at start: an instance recorded for
   no claim and at no recorded placement was made by an administrator (static MIG).
 
-After a lost checkpoint the :class:`MigLedger` tells which live MIG devices the driver
+After a lost record the store's table of MIG devices tells which live ones the driver
 created. A claim rebuilt from its CDI spec gets the MIG data of each of its devices the
-ledger names (the spec names the MIG uuid in ``DRA_GPU_UUID_<DEVICE>``), so the full
+table names (the spec names the MIG uuid in ``DRA_GPU_UUID_<DEVICE>``), so the full
 GPU stays excluded while the claim holds a partition of it, and the claim's unprepare
-destroys the device. A MIG device that neither the ledger names, nor a record, is an
-administrator's (static MIG) and is never destroyed. The ledger forgets devices that
-are gone, and entries the checkpoint knows but the ledger lacks (a crash between
-create and entry, or state from an older version) are added.
+destroys the device. A MIG device that neither the table names, nor a record, is an
+administrator's (static MIG) and is never destroyed. The table forgets devices that
+are gone, and devices a record names but the table lacks are added. (A lost store
+loses the table too: MIG devices of recovered claims are then taken for static ones
+and outlive their claims; they are logged at their claim's unprepare.)
 
 Temporary files that crashed writes left in the CDI directory are removed here too.
 
-Runs under the checkpoint's file lock, in a worker thread: these are blocking calls.
+Runs in a worker thread at start-up, before the kubelet's calls are served: these
+are blocking calls. Each change is one transaction of its own.
 """
 
 from __future__ import annotations
@@ -57,81 +64,82 @@ import structlog
 from dra_driver.cdi.spec import device_of_cdi_name, uuid_env_name
 from dra_driver.cdi.store import SpecStore
 from dra_driver.devices.types import MigDevice
-from dra_driver.node.checkpoint import Checkpoint, ClaimRecord, DeviceRecord, LoadedCheckpoint, MigRecord
-from dra_driver.node.mig_ledger import MigLedger
+from dra_driver.node.plan import admin_access_env
+from dra_driver.node.records import ClaimRecord, DeviceRecord, MigRecord
+from dra_driver.node.store import MutationRejected, Opened, Progress, Reserve, Store
 
 log = structlog.get_logger(__name__)
 
 
-def starting_state(
-    loaded: LoadedCheckpoint,
-    specs: SpecStore,
-    pool: str,
-    ledger: MigLedger,
-    live_mig_devices: Callable[[], Sequence[MigDevice]],
-) -> Checkpoint:
-    """The state to start from; ``live_mig_devices`` reads the MIG devices the GPUs have now."""
+def recover(
+    opened: Opened, specs: SpecStore, pool: str, live_mig_devices: Callable[[], Sequence[MigDevice]]
+) -> None:
+    """Bring the store up to date; ``live_mig_devices`` reads the MIG devices the GPUs have now."""
+    store = opened.store
     specs.remove_leftover_temps()
-    state = loaded.checkpoint
+    if opened.earlier_boot:
+        for uid in sorted(set(opened.stale) | specs.claim_uids()):
+            specs.remove(uid)
+        log.info("cleared the claims of an earlier boot", claims=len(opened.stale))
+        return
+    state = store.snapshot()
     recorded_mig = any(device.mig for record in state.claims.values() for device in record.devices)
     # Reading the GPUs costs a little; a node that never created a MIG device need not.
-    entries = ledger.entries()
+    entries = store.mig_devices()
     live = live_mig_devices() if recorded_mig or entries else ()
-    ours = _forget_gone(ledger, entries, live)
-    if loaded.earlier_boot:
-        for uid in sorted(set(loaded.stale) | specs.claim_uids()):
-            specs.remove(uid)
-        log.info("cleared the claims of an earlier boot", claims=len(loaded.stale))
-        return state
+    alive = {m.uuid for m in live}
+    for uuid in set(entries) - alive:
+        store.remove_mig_device(uuid)
+    ours = {uuid: mig for uuid, mig in entries.items() if uuid in alive}
     if recorded_mig:
-        state = _with_live_mig_devices(state, live, specs)
-        _enter_recorded(ledger, state, ours)
-    # A spec without a record: the checkpoint was lost or damaged after the prepare wrote it.
-    claims = dict(state.claims)
-    for uid in sorted(specs.claim_uids() - set(claims)):
-        if specs.held_by_a_writer(uid):
-            # Another instance (rolling update) is between the spec and its record: not a crash's.
+        _repair_mig_devices(store, state.claims, live, specs)
+        for record in store.snapshot().claims.values():
+            for device in record.devices:
+                if device.mig is not None and device.mig.uuid is not None and device.mig.uuid not in ours:
+                    store.add_mig_device(device.mig)
+                    ours[device.mig.uuid] = device.mig
+    # A spec without a record: the store was lost or damaged, or a crash came between the two.
+    # Oldest spec first: should two hold one device, the claim prepared first keeps it.
+    for uid in sorted(specs.claim_uids() - set(state.claims), key=lambda u: (_written(specs, u), u)):
+        if specs.held_by_a_writer(uid) or store.claim(uid) is not None:
+            # Another instance (rolling update) is between the spec and its record, or has just
+            # committed it: not a crash's.
             log.info("left the CDI spec of a live prepare to its plugin instance", claim_uid=uid)
             continue
-        record = _recovered(uid, specs, pool, ours)
-        if record is None:
+        rebuilt = _recovered(uid, specs, pool, ours)
+        if rebuilt is None:
             specs.remove(uid)
             continue
-        claims[uid] = record
+        try:
+            store.commit(Reserve(uid, rebuilt))
+        except MutationRejected as conflict:
+            log.error(
+                "two CDI specs claim one device; the second claim is not recorded",
+                claim_uid=uid,
+                conflict=str(conflict),
+                what_to_do="delete the pod of one of the two claims; its unprepare removes its spec",
+            )
+            continue
         log.info(
             "recovered a prepared claim from its CDI spec",
             claim_uid=uid,
-            devices=[d.device for d in record.devices],
+            devices=[d.device for d in rebuilt.devices],
+            admin_access=[d.device for d in rebuilt.devices if d.admin_access],
         )
-    claimed = {d.mig.uuid for r in claims.values() for d in r.devices if d.mig is not None}
+    claimed = {d.mig.uuid for r in store.snapshot().claims.values() for d in r.devices if d.mig is not None}
     if unclaimed := sorted(set(ours) - claimed):
         log.warning(
             "MIG devices the driver created for prepares that never finished are kept as static devices",
             mig_uuids=unclaimed,
             what_to_do="destroy those no workload uses (nvidia-smi mig -dci, -dgi)",
         )
-    if claims == state.claims:
-        return state
-    return state.model_copy(update={"claims": claims})
 
 
-def _forget_gone(
-    ledger: MigLedger, entries: dict[str, MigRecord], live: Sequence[MigDevice]
-) -> dict[str, MigRecord]:
-    """The ledger's entries of live devices; entries of devices that are gone are removed."""
-    alive = {m.uuid for m in live}
-    for uuid in set(entries) - alive:
-        ledger.remove(uuid)
-    return {uuid: mig for uuid, mig in entries.items() if uuid in alive}
-
-
-def _enter_recorded(ledger: MigLedger, checkpoint: Checkpoint, ours: dict[str, MigRecord]) -> None:
-    """Enter the checkpoint's live MIG devices the ledger lacks (into ``ours`` too)."""
-    for record in checkpoint.claims.values():
-        for device in record.devices:
-            if device.mig is not None and device.mig.uuid is not None and device.mig.uuid not in ours:
-                ledger.add(device.mig)
-                ours[device.mig.uuid] = device.mig
+def _written(specs: SpecStore, uid: str) -> int:
+    try:
+        return specs.path_for(uid).stat().st_mtime_ns
+    except OSError:
+        return 0
 
 
 def _recovered(uid: str, specs: SpecStore, pool: str, ours: dict[str, MigRecord]) -> ClaimRecord | None:
@@ -149,9 +157,10 @@ def _recovered(uid: str, specs: SpecStore, pool: str, ours: dict[str, MigRecord]
             request="",
             pool=pool,
             device=device,
+            admin_access=_env(entry, admin_access_env(device)[0][0]) == "true",
             share_id=share_id,  # a share keeps only its share reserved
             cdi_device_ids=(f"{kind}={name}",),
-            mig=ours.get(_announced_uuid(entry, device)),
+            mig=ours.get(_env(entry, uuid_env_name(device))),
         )
         for entry in named
         if isinstance(name := entry.get("name"), str)
@@ -166,24 +175,25 @@ def _recovered(uid: str, specs: SpecStore, pool: str, ours: dict[str, MigRecord]
     )
 
 
-def _announced_uuid(entry: dict[str, object], device: str) -> str:
-    """The uuid the spec gives the container for ``device`` (``DRA_GPU_UUID_<DEVICE>``), or ""."""
+def _env(entry: dict[str, object], name: str) -> str:
+    """The value the spec gives the container for ``name``, or ""."""
     edits = entry.get("containerEdits")
     env = edits.get("env") if isinstance(edits, dict) else None
-    wanted = uuid_env_name(device) + "="
+    wanted = name + "="
     for variable in env if isinstance(env, list) else []:
         if isinstance(variable, str) and variable.startswith(wanted):
             return variable[len(wanted) :]
     return ""
 
 
-def _with_live_mig_devices(checkpoint: Checkpoint, live: Sequence[MigDevice], specs: SpecStore) -> Checkpoint:
+def _repair_mig_devices(
+    store: Store, claims: dict[str, ClaimRecord], live: Sequence[MigDevice], specs: SpecStore
+) -> None:
     """The records repaired against the MIG devices alive now (see the module doc)."""
     alive = {m.uuid for m in live}
-    recorded = {d.mig.uuid for r in checkpoint.claims.values() for d in r.devices if d.mig and d.mig.uuid}
+    recorded = {d.mig.uuid for r in claims.values() for d in r.devices if d.mig and d.mig.uuid}
     unrecorded = [m for m in live if m.uuid not in recorded]
-    claims: dict[str, ClaimRecord] = {}
-    for uid, record in checkpoint.claims.items():
+    for uid, record in claims.items():
         devices: list[DeviceRecord] = []
         adopted: dict[str, str] = {}  # device name -> uuid; results that share a device share it
         lost = False
@@ -211,8 +221,9 @@ def _with_live_mig_devices(checkpoint: Checkpoint, live: Sequence[MigDevice], sp
         if lost:
             specs.remove(uid)
             update["phase"] = "PrepareStarted"
-        claims[uid] = record.model_copy(update=update)
-    return checkpoint.model_copy(update={"claims": claims})
+        repaired = record.model_copy(update=update)
+        if repaired != record:
+            store.commit(Progress(uid, repaired))
 
 
 def _at_placement(candidates: Sequence[MigDevice], mig: MigRecord) -> MigDevice | None:

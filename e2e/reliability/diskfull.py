@@ -1,11 +1,11 @@
 """The data and CDI directories out of space (ENOSPC), on a small tmpfs this scenario mounts.
 
 Each round leaves a different amount of free space (none, a little, a few pages), so that the
-failure hits a different step: the checkpoint's temporary file, the CDI spec, the simulated GPU
+failure hits a different step: the node's store (its write-ahead log), the CDI spec, the simulated GPU
 state behind a MIG device. A prepare and an unprepare are tried while the disk is full, then the
 space is given back and the kubelet's retries must succeed. Figures: calls that failed with a
 clear error (the claim's answer names the lack of space); calls that failed otherwise, or hung;
-damaged files (a checkpoint that does not decode, a spec that is not whole JSON) and temporary
+damaged files (a store that fails sqlite's integrity check, a spec that is not whole JSON) and temporary
 files left behind; claims not recovered once there was space again.
 
 The tmpfs is unmounted whatever happens (the daemon is stopped first). Mounting needs root;
@@ -19,17 +19,16 @@ import contextlib
 import errno
 import json
 import os
+import sqlite3
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dra_driver.node import checkpoint as ckpt
-from dra_driver.node import checkpoint_log as ckpt_log
 from e2e.driver import DriverPaths
 from e2e.reliability.env import Env
-from e2e.reliability.plugin import CHECKPOINT_FILE, NodeState
+from e2e.reliability.plugin import STORE_FILE_NAME, NodeState
 
 TMPFS_BYTES = 1024 * 1024
 FREE_BYTES = (0, 512, 2048, 6144, 12288)  # left free in successive rounds
@@ -176,17 +175,19 @@ async def _round(
 
 
 def _check_files(paths: DriverPaths, figures: DiskFullFigures, label: str) -> None:
-    checkpoint = paths.data / CHECKPOINT_FILE
-    if checkpoint.exists():
+    store = paths.data / STORE_FILE_NAME
+    if store.exists():
         try:
-            replayed = ckpt_log.replay(checkpoint, ckpt.decode(checkpoint.read_bytes()))
-        except ckpt.CheckpointUnreadable as error:
+            db = sqlite3.connect(f"{store.resolve().as_uri()}?mode=ro", uri=True)
+            try:
+                (verdict,) = db.execute("PRAGMA integrity_check").fetchone()
+            finally:
+                db.close()
+        except sqlite3.Error as error:
+            verdict = str(error)
+        if verdict != "ok":
             figures.damaged_files += 1
-            figures.problems.append(f"{label}: checkpoint damaged: {error}")
-        else:
-            if replayed.damaged:  # a torn line the next writer would cut off: half-written
-                figures.damaged_files += 1
-                figures.problems.append(f"{label}: the checkpoint's log ends in a torn line")
+            figures.problems.append(f"{label}: the node's store is damaged: {verdict}")
     for spec in paths.cdi.glob("*.json"):
         try:
             json.loads(spec.read_text())

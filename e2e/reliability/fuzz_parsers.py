@@ -1,10 +1,10 @@
-"""Hypothesis over the pure parsers: claim JSON (through planning to the CDI spec), opaque configs,
-checkpoint files.
+"""Hypothesis over the parsers: claim JSON (through planning to the CDI spec), opaque configs, the
+node's store and the schema-2 checkpoint files its first start imports.
 
 Each target states what the parser may answer: a result, or its own "this input is bad" error
-(ClaimRejected, ConfigError, CheckpointUnreadable), whose message is what the user reads. Any
+(ClaimRejected, ConfigError, StoreFromNewerDriver), whose message is what the user reads. Any
 other exception is a crash: on the node it would be an "internal error" for a claim, or, for a
-checkpoint, a daemon that cannot start.
+damaged store or checkpoint, a daemon that cannot start.
 
 Inputs are near-valid documents with random parts replaced, plus arbitrary JSON, so that the
 parsers' deep paths are reached and not only their first type check.
@@ -30,11 +30,11 @@ from hypothesis import strategies as st
 from dra_driver.cdi.spec import common_edits
 from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import Inventory
-from dra_driver.node import checkpoint as ckpt
-from dra_driver.node import checkpoint_log as ckpt_log
 from dra_driver.node.claims import ClaimRejected, ConfigSource, OpaqueConfig, allocated_claim
 from dra_driver.node.config import API_VERSION, ConfigError, decode_config
+from dra_driver.node.legacy import canonical_json
 from dra_driver.node.plan import plan_claim
+from dra_driver.node.store import STORE_FILE, StoreFromNewerDriver, open_store
 from dra_driver.node.types import ClaimRef
 
 DRIVER = "gpu.nvidia.com"
@@ -184,28 +184,34 @@ def _run(examples_per_target: int, seed: int) -> ParserFigures:
             with contextlib.suppress(ConfigError):
                 decode_config(entry)
 
-        @_target(figures, "checkpoint_bytes", _checkpoint_bytes(), examples_per_target, seed)
-        def _(data: bytes) -> None:
-            with contextlib.suppress(ckpt.CheckpointUnreadable):
-                ckpt.decode(data)
+        state = Path(scratch) / "state"
 
-        @_target(figures, "checkpoint_log", _log_bytes(), examples_per_target, seed)
-        def _(data: bytes) -> None:
-            first = data.find(b"\n") + 1
-            ckpt_log.parse_header(data[:first])
-            ckpt_log.parse_entries(data[first:], 0)
-
-        file = Path(scratch) / "state" / "checkpoint.json"
-
-        @_target(figures, "checkpoint_load", _checkpoint_bytes(), examples_per_target // 10, seed)
-        def _(data: bytes) -> None:
-            file.parent.mkdir(exist_ok=True)
-            for leftover in file.parent.iterdir():
+        def started(files: dict[str, bytes]) -> None:
+            """A first start on a data directory holding ``files``: it must open a store."""
+            state.mkdir(exist_ok=True)
+            for leftover in state.iterdir():
                 leftover.unlink()
-            file.write_bytes(data)
-            # A bad file is moved aside; one of a newer schema is refused, for the daemon to say so.
-            with contextlib.suppress(ckpt.CheckpointFromNewerDriver):
-                ckpt.load(file, "boot-a")
+            for name, data in files.items():
+                (state / name).write_bytes(data)
+            # A bad file is moved aside or ignored; one of a newer schema is refused, for the daemon to say.
+            with contextlib.suppress(StoreFromNewerDriver):
+                open_store(state / STORE_FILE, "boot-a").store.close()
+
+        @_target(figures, "checkpoint_import", _checkpoint_bytes(), examples_per_target // 10, seed)
+        def _(data: bytes) -> None:
+            started({"checkpoint.json": data})
+
+        @_target(figures, "checkpoint_log_import", _log_bytes(), examples_per_target // 10, seed)
+        def _(data: bytes) -> None:
+            started({"checkpoint.json": _snapshot(0, {}), "checkpoint.json.log": data})
+
+        store_bytes = st.binary(max_size=400) | st.builds(
+            lambda d: b"SQLite format 3\x00" + d, st.binary(max_size=4000)
+        )
+
+        @_target(figures, "store_bytes", store_bytes, examples_per_target // 10, seed)
+        def _(data: bytes) -> None:
+            started({STORE_FILE: data})
 
         backend.close()
     return figures
@@ -222,12 +228,19 @@ def _claim_to_spec(claim: Any, inventory: Inventory, edits: Any) -> None:
         pass
 
 
+def _snapshot(generation: int, claims: dict[str, Any]) -> bytes:
+    """A schema-2 ``checkpoint.json`` as earlier versions wrote it."""
+    payload = {"bootId": "boot-a", "generation": generation, "claims": claims}
+    digest = hashlib.sha256(canonical_json(payload)).hexdigest()
+    return json.dumps({"schemaVersion": 2, "checksum": f"sha256:{digest}", "payload": payload}).encode()
+
+
 def _log_bytes() -> st.SearchStrategy[bytes]:
-    """The checkpoint's log: a header, then lines that are signed entries (of any content), or junk."""
+    """The schema-2 checkpoint's log: a header, then signed entries (of any content), or junk."""
 
     def signed(body: Any) -> bytes:
-        digest = hashlib.sha256(ckpt.canonical_json(body)).hexdigest()
-        return ckpt.canonical_json({"checksum": f"sha256:{digest}", "entry": body}) + b"\n"
+        digest = hashlib.sha256(canonical_json(body)).hexdigest()
+        return canonical_json({"checksum": f"sha256:{digest}", "entry": body}) + b"\n"
 
     body = _maybe(
         st.fixed_dictionaries(
@@ -238,7 +251,9 @@ def _log_bytes() -> st.SearchStrategy[bytes]:
             }
         )
     )
-    header = st.builds(lambda b, e: ckpt_log.header(b, e), st.integers(-1, 3), _text) | st.binary(max_size=40)
+    header = st.builds(
+        lambda b, e: json.dumps({"base": b, "epoch": e}).encode() + b"\n", st.integers(-1, 3), _text
+    ) | st.binary(max_size=40)
     line = (
         st.builds(signed, body)
         | st.binary(max_size=60)
@@ -270,7 +285,7 @@ def _checkpoint_bytes() -> st.SearchStrategy[bytes]:
     )
 
     def signed(value: Any, version: Any) -> bytes:
-        digest = hashlib.sha256(ckpt.canonical_json(value)).hexdigest()
+        digest = hashlib.sha256(canonical_json(value)).hexdigest()
         return json.dumps(
             {"schemaVersion": version, "checksum": f"sha256:{digest}", "payload": value}
         ).encode()
@@ -281,12 +296,10 @@ def _checkpoint_bytes() -> st.SearchStrategy[bytes]:
         position %= len(data)
         return data[:position] if cut else data[:position] + bytes([byte]) + data[position + 1 :]
 
-    good = st.builds(
-        lambda c: ckpt.encode(ckpt.Checkpoint(boot_id="boot-a", generation=c)), st.integers(0, 9)
-    )
+    good = st.builds(lambda c: _snapshot(c, {}), st.integers(0, 9))
     return st.one_of(
         st.binary(max_size=200),
-        st.builds(signed, payload, _maybe(st.just(ckpt.SCHEMA_VERSION))),
+        st.builds(signed, payload, _maybe(st.just(2))),
         st.builds(damaged, good, st.integers(0, 10_000), st.integers(0, 255), st.booleans()),
         st.builds(lambda v: json.dumps(v).encode(), json_values),
     )

@@ -4,8 +4,8 @@ One run is one pod's life on the node, as the kubelet drives it: NodePrepareReso
 pod's claims until every claim is prepared, then NodeUnprepareResources until every claim is
 unprepared, the daemon SIGKILLed once somewhere in between. The kill comes either from outside,
 at a random moment of the prepare or the unprepare call, or from inside, at a test crash point
-(:mod:`dra_driver.crashpoint`): before or after a journal commit, a data file write (snapshot,
-MIG ledger), a CDI spec write or removal,
+(:mod:`dra_driver.crashpoint`): before or after a transaction of the node's store (a claim's
+record, the table of MIG devices, the recovery's at start-up), a CDI spec write or removal,
 a MIG device's creation or destruction, at a random one of its hits. The daemon is then started
 again on the same directories and the run goes on as the kubelet would: it retries the call that
 failed (or, as when the pod was deleted meanwhile, goes straight to unprepare).
@@ -34,9 +34,9 @@ from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.node.types import ClaimRef
 from e2e.reliability.env import Env, SimNode
 from e2e.reliability.plugin import (
-    CHECKPOINT_FILE,
     DRIVER,
     PROFILE,
+    STORE_FILE_NAME,
     CallResult,
     NodeState,
     Plugin,
@@ -58,7 +58,7 @@ class Kill9Figures:
     lost_claims: int = 0
     double_allocations: int = 0
     failed_claims: int = 0  # claims not prepared or unprepared within RETRIES retries
-    leftover_temp_files: int = 0  # half-written checkpoints or specs still there after the restart
+    leftover_temp_files: int = 0  # half-written specs still there after the restart
     killed_at: Counter[str] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
 
@@ -102,12 +102,10 @@ def plan_run(rng: random.Random) -> Plan:
     if rng.random() < 0.7:
         points = [p for p in POINTS if migs or p not in _MIG_POINTS]
         point = rng.choice(points)
-        if point.startswith("journal."):
-            # Reserve, Progress per MIG device, Complete, Release: fewer when concurrent claims share
-            # a write (group commit), so the count stays low enough to be reached in most runs.
-            hits = 2 + migs + claims
-        elif point.startswith("datafile."):
-            hits = 1 + migs  # the MIG ledger's entry per created device; the snapshot at start-up
+        if point.startswith("store."):
+            # Per claim its record (one step, or Reserve + Progress per MIG device + Complete) and its
+            # Release; per MIG device its entry and its removal; the store's creation at start-up.
+            hits = 1 + 2 * claims + 3 * migs
         elif point.startswith("mig."):
             hits = migs
         else:
@@ -272,7 +270,8 @@ async def _reset(node: SimNode, plugin: Plugin) -> None:
     specs = SpecStore(plugin.paths.cdi, DRIVER)
     for uid in state.specs:
         specs.remove(uid)
-    (plugin.paths.data / CHECKPOINT_FILE).unlink(missing_ok=True)
+    for store_file in plugin.paths.data.glob(f"{STORE_FILE_NAME}*"):
+        store_file.unlink()
     backend = SimulatedBackend(PROFILE, node.name, plugin.paths.data)
     try:
         for mig in state.mig_devices:

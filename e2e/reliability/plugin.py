@@ -27,8 +27,8 @@ from dra_driver.crashpoint import ENV as CRASH_POINT_ENV
 from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import MigDevice
 from dra_driver.kubelet.pb.dra.v1 import dra_pb2, dra_pb2_grpc
-from dra_driver.node import checkpoint as ckpt
-from dra_driver.node import checkpoint_log as ckpt_log
+from dra_driver.node.records import ClaimRecord
+from dra_driver.node.store import STORE_FILE, open_read_only
 from dra_driver.node.types import ClaimRef
 from dra_driver.settings import DEFAULT_DRIVER_NAME
 from e2e.cluster import processes
@@ -37,7 +37,7 @@ from e2e.driver import DriverPaths
 
 DRIVER = DEFAULT_DRIVER_NAME
 PROFILE = "dgx-h100"
-CHECKPOINT_FILE = "checkpoint.json"
+STORE_FILE_NAME = STORE_FILE  # the node's store (sqlite3), in the data directory
 CALL_TIMEOUT_S = 45.0  # the kubelet's deadline for one prepare or unprepare call
 START_TIMEOUT_S = 60.0
 
@@ -231,26 +231,36 @@ def _claim(ref: ClaimRef) -> dra_pb2.Claim:
     return dra_pb2.Claim(namespace=ref.namespace, name=ref.name, uid=ref.uid)
 
 
+def read_records(path: Path) -> dict[str, ClaimRecord]:
+    """The claims the node's store holds, read-only (the daemon may be running): none without a store."""
+    if not path.exists():
+        return {}
+    store = open_read_only(path)
+    try:
+        return store.snapshot().claims
+    finally:
+        store.close()
+
+
 @dataclass(frozen=True)
 class NodeState:
     """What is on the node's disk and GPUs, read from outside the daemon."""
 
     specs: frozenset[str]  # claim uids with a CDI spec
-    records: dict[str, ckpt.ClaimRecord]  # the checkpoint's claims
+    records: dict[str, ClaimRecord]  # the store's claims
     mig_devices: tuple[MigDevice, ...]  # alive on the simulated GPUs
     temp_files: tuple[str, ...]  # the driver's leftover .tmp files in the data and CDI directories
 
     @classmethod
     def read(cls, paths: DriverPaths, node: str) -> NodeState:
         specs = frozenset(SpecStore(paths.cdi, DRIVER).claim_uids())
-        checkpoint_file = paths.data / CHECKPOINT_FILE
-        records = ckpt_log.read_state(checkpoint_file).claims if checkpoint_file.exists() else {}
+        records = read_records(paths.data / STORE_FILE)
         backend = SimulatedBackend(PROFILE, node, paths.data)
         try:
             migs = tuple(m for gpu in backend.inventory().gpus for m in gpu.mig_devices)
         finally:
             backend.close()
-        # The driver's own temporary files are hidden (the checkpoint's, the CDI specs'); the
+        # The driver's own temporary files are hidden (the CDI specs'); the
         # simulator's state file stands in for hardware and is not counted.
         temps = tuple(
             str(p)

@@ -1,14 +1,14 @@
 """Two plugin instances on one node, as during a rolling update of the DaemonSet: both serve the
-kubelet at once (sockets of their own, ``--pod-uid``) and share the checkpoint, CDI directory and GPUs.
+kubelet at once (sockets of their own, ``--pod-uid``) and share the store, CDI directory and GPUs.
 
 Each round prepares a pod's worth of claims, each through a randomly chosen instance, all at
 once, then unprepares each through a randomly chosen instance (not necessarily the one that
 prepared it: the kubelet moves to the new plugin as soon as it registers). Two claims of each
 round are allocated the *same* device and sent to different instances -- something the scheduler
-never does, and exactly what the checkpoint's cross-instance conflict rules must refuse -- and two
+never does, and exactly what the store's unique index must refuse -- and two
 get MIG devices at different placements of one GPU, which both instances must create side by side.
 
-Then the surge itself, a few times: a third instance starts (and repairs the shared checkpoint)
+Then the surge itself, a few times: a third instance starts (and repairs the shared store)
 while the old one prepares and unprepares claim after claim, as the kubelet keeps calling it until
 the new plugin registers. None of those calls may fail: a prepare half-way (its spec written,
 its record not yet) is the old instance's, not a crash's for the new one to recover.

@@ -12,12 +12,12 @@ from typing import Any
 from dra_driver.cdi.spec import common_edits
 from dra_driver.cdi.store import SpecStore
 from dra_driver.devices.simulated import STATE_FILE_NAME, SimulatedBackend
-from dra_driver.node.checkpoint import Checkpoint
-from dra_driver.node.checkpoint_log import read_state
 from dra_driver.node.claim_fetcher import ClaimFetcher
 from dra_driver.node.config import API_VERSION
 from dra_driver.node.preparer import NodePreparer
+from dra_driver.node.records import ClaimRecord, NodeState
 from dra_driver.node.sharing.mps_local import LocalMpsDaemons
+from dra_driver.node.store import STORE_FILE, Release, Reserve, open_read_only, open_store
 from dra_driver.node.types import ClaimRef
 
 DRIVER = "gpu.dra-driver.dev"
@@ -130,8 +130,19 @@ class Node:
         return self.root / "cdi"
 
     @property
+    def state_dir(self) -> Path:
+        """The plugin's data directory: what the node remembers."""
+        return self.root / "state"
+
+    @property
+    def store_path(self) -> Path:
+        """The node's store (sqlite3)."""
+        return self.state_dir / STORE_FILE
+
+    @property
     def checkpoint_path(self) -> Path:
-        return self.root / "state" / "checkpoint.json"
+        """Where versions before the store kept their state (schema 2), imported at start."""
+        return self.state_dir / "checkpoint.json"
 
     @property
     def boot_id_path(self) -> Path:
@@ -165,7 +176,7 @@ class Node:
             "claims": claims or self.claims,
             "specs": self.specs,
             "common_edits": common_edits(self.backend.inventory(), None),
-            "checkpoint_path": self.checkpoint_path,
+            "store_path": self.store_path,
             "boot_id_path": self.boot_id_path,
             "observer": self.observer,
             "mps": self.mps,
@@ -177,8 +188,34 @@ class Node:
         await preparer.start()
         return preparer
 
-    def on_disk(self) -> Checkpoint:
-        return read_state(self.checkpoint_path)
+    def on_disk(self) -> NodeState:
+        """Every claim the node's store holds, read afresh (empty when there is no store)."""
+        if not self.store_path.exists():
+            return NodeState()
+        store = open_read_only(self.store_path)
+        try:
+            return store.snapshot()
+        finally:
+            store.close()
+
+    def write_records(self, claims: Mapping[str, ClaimRecord], boot_id: str | None = None) -> None:
+        """Record ``claims`` in the node's store, as a plugin of boot ``boot_id`` (default: this one)."""
+        boot = boot_id or self.boot_id_path.read_text().strip()
+        store = open_store(self.store_path, boot).store
+        try:
+            for uid, record in claims.items():
+                store.commit(Reserve(uid, record))
+        finally:
+            store.close()
+
+    def drop_records(self, *uids: str) -> None:
+        """Forget claims in the node's store, as a crash between a spec and its record leaves them."""
+        store = open_store(self.store_path, self.boot_id_path.read_text().strip()).store
+        try:
+            for uid in uids:
+                store.commit(Release(uid))
+        finally:
+            store.close()
 
     def spec_files(self) -> set[str]:
         return {p.name for p in self.cdi_dir.glob("*")} if self.cdi_dir.exists() else set()

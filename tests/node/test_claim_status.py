@@ -242,7 +242,7 @@ async def test_a_node_that_is_never_quiet_still_gets_its_statuses(node: Node) ->
     assert written_for == ref
 
 
-async def test_the_claims_of_the_checkpoint_are_listed_for_a_restarted_plugin(node: Node) -> None:
+async def test_the_claims_of_the_store_are_listed_for_a_restarted_plugin(node: Node) -> None:
     preparer = await node.started()
     ref = new_ref()
     node.allocate(ref, "gpu-1")

@@ -23,12 +23,10 @@ import pytest
 from dra_driver.app import desired_slices
 from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import Inventory, MigDevice, Placement
-from dra_driver.node import checkpoint as ckpt
-from dra_driver.node import checkpoint_log as ckpt_log
-from dra_driver.node.checkpoint import ClaimRecord, DeviceRecord, MigRecord
 from dra_driver.node.config import API_VERSION
 from dra_driver.node.preparer import NodePreparer
-from dra_driver.node.state import Reserve, apply
+from dra_driver.node.records import ClaimRecord, DeviceRecord, MigRecord, Phase
+from dra_driver.node.store import MutationRejected, Progress, Reserve, Store, StoreWriteError, open_store
 from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice
 from dra_driver.resources.devices import partition_selected
 from dra_driver.settings import Settings
@@ -74,7 +72,7 @@ def recorded_mig(node: Node, uid: str, index: int = 0) -> MigRecord:
 
 def assert_nothing_left_for(node: Node, uid: str) -> None:
     assert not node.specs.path_for(uid).exists()
-    if node.checkpoint_path.exists():
+    if node.store_path.exists():
         assert uid not in node.on_disk().claims
 
 
@@ -296,9 +294,10 @@ async def test_a_placement_overlapping_a_live_instance_fails_and_changes_nothing
 
     complaint = error_of((await preparer.prepare([stale]))[stale.uid])
 
-    assert "cannot create MIG device gpu-0-mig-1g10gb-19-1" in complaint
-    assert "overlap the live 3g.40gb instance at 0..3" in complaint
-    assert "allocated from a stale ResourceSlice" in complaint
+    # The store refuses it before any NVML call: the 3g device holds memory slices 0..3.
+    assert "device gpu-0-mig-1g10gb-19-1 overlaps MIG device gpu-0-mig-3g40gb-9-0" in complaint
+    assert f"prepared for claim default/first ({first.uid})" in complaint
+    assert "allocated it from a stale ResourceSlice" in complaint
     assert live_migs(node) == [("3g.40gb", 0)]
     assert_nothing_left_for(node, stale.uid)
 
@@ -484,22 +483,29 @@ async def test_a_failed_spec_write_destroys_the_created_device(
     assert_nothing_left_for(node, ref.uid)
 
 
-async def test_a_failed_checkpoint_write_after_the_create_destroys_the_device(
-    node: Node, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("failing", ["the claim's record", "the table of MIG devices"])
+async def test_a_failed_store_write_after_the_create_destroys_the_device(
+    node: Node, monkeypatch: pytest.MonkeyPatch, failing: str
 ) -> None:
     preparer = await node.started()
     ref = new_ref()
     node.allocate(ref, "gpu-1-mig-1g10gb-19-5")
-    real_append = ckpt_log.append
+    real_commit = Store.commit
 
-    def failing_once_a_mig_uuid_is_in_it(path: Path, data: bytes, at: int) -> int:
-        if b'"uuid":"MIG-' in data:
-            raise OSError(5, "Input/output error")
-        return real_append(path, data, at)
+    def failing_once_a_mig_uuid_is_in_it(store: Store, mutation: Any) -> None:
+        if isinstance(mutation, Progress) and any(d.mig and d.mig.uuid for d in mutation.record.devices):
+            raise StoreWriteError("cannot write the node's store: disk I/O error")
+        real_commit(store, mutation)
 
-    monkeypatch.setattr(ckpt_log, "append", failing_once_a_mig_uuid_is_in_it)
+    def failing_add(store: Store, mig: MigRecord) -> None:
+        raise StoreWriteError("cannot write the node's store: disk I/O error")
 
-    assert "Input/output error" in error_of((await preparer.prepare([ref]))[ref.uid])
+    if failing == "the claim's record":
+        monkeypatch.setattr(Store, "commit", failing_once_a_mig_uuid_is_in_it)
+    else:
+        monkeypatch.setattr(Store, "add_mig_device", failing_add)
+
+    assert "disk I/O error" in error_of((await preparer.prepare([ref]))[ref.uid])
     assert live_migs(node, 1) == []
     assert_nothing_left_for(node, ref.uid)
 
@@ -552,7 +558,7 @@ async def test_mig_operations_take_turns_per_gpu_and_run_in_parallel_across_gpus
 
 
 def crashed_record(
-    ref: ClaimRef, device: str, mig: MigRecord | None, phase: ckpt.Phase = "PrepareStarted"
+    ref: ClaimRef, device: str, mig: MigRecord | None, phase: Phase = "PrepareStarted"
 ) -> ClaimRecord:
     return ClaimRecord(
         namespace=ref.namespace,
@@ -569,11 +575,6 @@ def crashed_record(
             ),
         ),
     )
-
-
-def write_checkpoint(node: Node, claims: dict[str, ClaimRecord]) -> None:
-    boot_id = node.boot_id_path.read_text().strip()
-    ckpt.write(node.checkpoint_path, ckpt.Checkpoint(boot_id=boot_id, claims=claims))
 
 
 def intent(
@@ -594,9 +595,7 @@ async def test_a_device_created_just_before_a_crash_is_adopted_and_destroyed_by_
     orphan = node.backend.create_mig_device(node.backend.inventory().gpus[H100].uuid, 9, Placement(4, 4))
     static = node.backend.admin_create_mig(H100, "1g.10gb", 0)  # an administrator's: not ours
     ref = new_ref()
-    write_checkpoint(
-        node, {ref.uid: crashed_record(ref, "gpu-0-mig-3g40gb-9-4", intent(node, H100, 9, 4, 4))}
-    )
+    node.write_records({ref.uid: crashed_record(ref, "gpu-0-mig-3g40gb-9-4", intent(node, H100, 9, 4, 4))})
 
     preparer = await node.started()
 
@@ -609,7 +608,7 @@ async def test_a_device_created_just_before_a_crash_is_adopted_and_destroyed_by_
 async def test_an_adopted_device_serves_the_kubelets_next_prepare(node: Node) -> None:
     orphan = node.backend.create_mig_device(node.backend.inventory().gpus[1].uuid, 14, Placement(2, 2))
     ref = new_ref()
-    write_checkpoint(node, {ref.uid: crashed_record(ref, "gpu-1-mig-2g20gb-14-2", intent(node, 1, 14, 2, 2))})
+    node.write_records({ref.uid: crashed_record(ref, "gpu-1-mig-2g20gb-14-2", intent(node, 1, 14, 2, 2))})
     node.allocate(ref, "gpu-1-mig-2g20gb-14-2")
 
     preparer = await node.started()
@@ -622,9 +621,7 @@ async def test_an_adopted_device_serves_the_kubelets_next_prepare(node: Node) ->
 
 async def test_a_crash_before_the_create_leaves_a_placement_the_next_prepare_creates(node: Node) -> None:
     ref = new_ref()
-    write_checkpoint(
-        node, {ref.uid: crashed_record(ref, "gpu-0-mig-1g10gb-19-6", intent(node, H100, 19, 6, 1))}
-    )
+    node.write_records({ref.uid: crashed_record(ref, "gpu-0-mig-1g10gb-19-6", intent(node, H100, 19, 6, 1))})
     node.allocate(ref, "gpu-0-mig-1g10gb-19-6")
 
     preparer = await node.started()
@@ -665,39 +662,66 @@ async def test_a_reboot_forgets_every_mig_device(node: Node) -> None:
     assert preparer.owned_mig_uuids() == frozenset()
 
 
-async def test_after_a_lost_checkpoint_the_drivers_devices_are_still_its_own(node: Node) -> None:
+def lose_record(node: Node, uid: str) -> None:
+    """The claim's record is lost while the store (and its table of MIG devices) survives."""
+    store = open_store(node.store_path, node.boot_id_path.read_text().strip()).store
+    store._db.execute("DELETE FROM holds WHERE uid = ?", (uid,))
+    store._db.execute("DELETE FROM claims WHERE uid = ?", (uid,))
+    store.close()
+
+
+async def test_after_a_lost_record_the_drivers_devices_are_still_its_own(node: Node) -> None:
     ref, whole = new_ref(), new_ref("whole")
     node.allocate(ref, "gpu-1-mig-3g40gb-9-4")
     await (await node.started()).prepare([ref])
     static = node.backend.admin_create_mig(1, "1g.10gb", 0)  # an administrator's, beside it
-    node.checkpoint_path.write_text("{torn")
+    lose_record(node, ref.uid)
 
     preparer = await node.started()
 
     # The rebuilt record still knows the MIG device, so the full GPU is not given out under it
-    # (the checkpoint's rules refuse it even where the GPU's MIG mode would not)...
+    # (the store's index refuses it even where the GPU's MIG mode would not)...
     recovered = recorded_mig(node, ref.uid)
     assert (recovered.parent_device, recovered.profile_id, recovered.placement_start) == ("gpu-1", 9, 4)
     assert preparer.owned_mig_uuids() == {recovered.uuid}
-    _, [refused] = apply(node.on_disk(), [Reserve(whole.uid, crashed_record(whole, "gpu-1", None))])
-    assert "cannot be prepared whole: claim" in str(refused)
+    with pytest.raises(MutationRejected, match="cannot be prepared whole: claim"):
+        preparer._state().commit(Reserve(whole.uid, crashed_record(whole, "gpu-1", None)))
     # ...and the claim's unprepare destroys it, while the administrator's stays.
     assert await preparer.unprepare([ref]) == {ref.uid: None}
     assert node.on_disk().claims == {}
     assert [m.uuid for m in node.backend.inventory().gpus[1].mig_devices] == [static.uuid]
 
 
-async def test_a_device_the_ledger_lost_track_of_is_entered_again(node: Node) -> None:
+async def test_after_a_lost_store_a_recovered_mig_claim_still_keeps_its_gpu_from_a_whole_gpu_claim(
+    node: Node,
+) -> None:
+    ref, whole = new_ref(), new_ref("whole")
+    node.allocate(ref, "gpu-1-mig-3g40gb-9-4")
+    await (await node.started()).prepare([ref])
+    for path in node.state_dir.glob("state.db*"):
+        path.unlink()  # the data directory is wiped: the table of MIG devices goes with it
+
+    preparer = await node.started()
+
+    # (the plan refuses the GPU while it is in MIG mode; the store refuses it even where it would not)
+    with pytest.raises(MutationRejected, match=f"cannot be prepared whole: claim {ref.uid}"):
+        preparer._state().commit(Reserve(whole.uid, crashed_record(whole, "gpu-1", None)))
+    assert await preparer.unprepare([ref]) == {ref.uid: None}
+    # Without the table the device is taken for an administrator's: it stays, and is logged.
+    assert [m.placement.start for m in node.backend.inventory().gpus[1].mig_devices] == [4]
+
+
+async def test_a_device_the_table_lost_track_of_is_entered_again(node: Node) -> None:
     ref = new_ref()
     node.allocate(ref, "gpu-0-mig-3g40gb-9-0")
     await (await node.started()).prepare([ref])
     mig_uuid = recorded_mig(node, ref.uid).uuid
-    ledger = node.checkpoint_path.with_name("mig-devices")
-    for entry in os.listdir(ledger):  # a crash between the create and its entry
-        os.unlink(ledger / entry)
+    store = open_store(node.store_path, node.boot_id_path.read_text().strip()).store
+    store.remove_mig_device(mig_uuid or "")  # a crash between the create and its entry
+    store.close()
 
     await node.started()
-    node.checkpoint_path.write_text("{torn")  # and then the checkpoint is lost, too
+    lose_record(node, ref.uid)  # and then the claim's record is lost, too
     preparer = await node.started()
 
     assert preparer.owned_mig_uuids() == {mig_uuid}
@@ -744,7 +768,7 @@ async def test_many_claims_on_many_gpus_of_a_16_gpu_node(tmp_path: Path) -> None
 
 
 async def test_during_a_rolling_update_the_new_instance_destroys_what_the_old_one_created(node: Node) -> None:
-    # Both plugin instances run; the new one last read the checkpoint before the old one prepared.
+    # Both plugin instances run; the new one started before the old one prepared.
     old = await node.started()
     new = await node.started()
     ref = new_ref("rolling")

@@ -1,4 +1,4 @@
-"""NodePreparer end to end on a simulated node: real CDI files, a real checkpoint, claims as JSON.
+"""NodePreparer end to end on a simulated node: real CDI files, a real store, claims as JSON.
 
 The API server is stood in for by :class:`InMemoryClaims` (the ResourceClaim JSON it
 would return); everything below it is real.
@@ -17,10 +17,9 @@ import pytest
 import structlog
 
 from dra_driver.cdi.spec import common_edits
-from dra_driver.node import checkpoint as ckpt
-from dra_driver.node import checkpoint_log as ckpt_log
-from dra_driver.node.checkpoint import ClaimRecord, DeviceRecord
 from dra_driver.node.claim_fetcher import ClaimFetchError
+from dra_driver.node.records import ClaimRecord, DeviceRecord
+from dra_driver.node.store import Store
 from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice
 
 from .builders import DRIVER, NODE, Node, claim_json, gpu_config, new_ref, opaque, result, spec_devices
@@ -40,7 +39,7 @@ def error_of(outcome: object) -> str:
 
 def assert_nothing_left_for(node: Node, uid: str) -> None:
     assert not node.specs.path_for(uid).exists()
-    if node.checkpoint_path.exists():
+    if node.store_path.exists():
         assert uid not in node.on_disk().claims
 
 
@@ -427,28 +426,24 @@ async def test_two_plugin_instances_keep_each_others_claims(node: Node) -> None:
 async def test_an_instance_starting_during_a_prepare_leaves_that_prepare_alone(
     node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A rolling update: the new instance repairs the checkpoint while the old one has written
+    # A rolling update: the new instance repairs the store while the old one has written
     # a claim's spec and not yet its record. That spec is a live prepare's, not a crash's.
     old = await node.started()
     ref = new_ref("in-flight")
     node.allocate(ref, "gpu-2")
-    spec_written, go_on = asyncio.Event(), asyncio.Event()
-    real_commit = old._journal.commit
+    new = node.preparer()
+    real_commit = Store.commit
 
-    async def paused_commit(mutation: Any) -> None:
-        spec_written.set()
-        await go_on.wait()
-        await real_commit(mutation)
+    def commit_after_the_other_instance_started(store: Store, mutation: Any) -> None:
+        if store is old._state() and new._store is None:
+            assert node.specs.path_for(ref.uid).exists()
+            new._store = new._open()  # what the other process does meanwhile
+        real_commit(store, mutation)
 
-    monkeypatch.setattr(old._journal, "commit", paused_commit)
-    prepare = asyncio.create_task(old.prepare([ref]))
-    await spec_written.wait()
-    assert node.specs.path_for(ref.uid).exists()
-
+    monkeypatch.setattr(Store, "commit", commit_after_the_other_instance_started)
     with structlog.testing.capture_logs() as logs:
-        new = await node.started()
-    go_on.set()
-    outcome = await prepare
+        outcome = await old.prepare([ref])
+    assert new._store is not None
 
     assert devices_of(outcome[ref.uid])
     assert node.on_disk().claims[ref.uid].phase == "PrepareCompleted"
@@ -474,13 +469,13 @@ async def test_a_claim_the_other_instance_prepared_since_we_started_is_answered_
     again = devices_of((await new.prepare([ref]))[ref.uid])
 
     assert again == first
-    assert node.on_disk().claims[ref.uid].attempt == old._journal.state.claims[ref.uid].attempt
+    assert node.on_disk().claims[ref.uid].attempt == old._state().claim(ref.uid).attempt  # type: ignore[union-attr]
     assert node.specs.path_for(ref.uid).read_text() == spec
     assert await new.unprepare([ref]) == {ref.uid: None}
     assert_nothing_left_for(node, ref.uid)
 
 
-# --- restarts: leftovers, reboots, damaged checkpoints ---------------------------------------------------
+# --- restarts: leftovers, reboots, damaged stores ---------------------------------------------------------
 
 
 def write_leftover(node: Node, ref: ClaimRef, device: str) -> None:
@@ -499,8 +494,7 @@ def write_leftover(node: Node, ref: ClaimRef, device: str) -> None:
             ),
         ),
     )
-    boot_id = node.boot_id_path.read_text().strip()
-    ckpt.write(node.checkpoint_path, ckpt.Checkpoint(boot_id=boot_id, claims={ref.uid: record}))
+    node.write_records({ref.uid: record})
 
 
 async def test_leftover_of_a_crash_is_taken_over_by_the_next_prepare(node: Node) -> None:
@@ -564,18 +558,16 @@ async def test_reboot_removes_the_torn_specs_an_os_crash_leaves(node: Node) -> N
     assert all(devices_of(outcome) for outcome in (await preparer.prepare(refs)).values())
 
 
-async def test_a_full_gpu_prepare_writes_the_checkpoint_once(
-    node: Node, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_full_gpu_prepare_writes_the_store_once(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
     preparer = await node.started()
-    appends: list[bytes] = []
-    real_append = ckpt_log.append
+    appends: list[object] = []
+    real_commit = Store.commit
 
-    def counting_append(path: Path, data: bytes, at: int) -> int:
-        appends.append(data)
-        return real_append(path, data, at)
+    def counting_commit(store: Store, mutation: Any) -> None:
+        appends.append(mutation)
+        real_commit(store, mutation)
 
-    monkeypatch.setattr(ckpt_log, "append", counting_append)
+    monkeypatch.setattr(Store, "commit", counting_commit)
     ref = new_ref()
     node.allocate(ref, "gpu-3")
 
@@ -590,7 +582,7 @@ async def test_a_crash_between_the_spec_and_its_record_keeps_the_devices_reserve
     node.allocate(crashed, "gpu-2")
     await (await node.started()).prepare([crashed])
     # What a crash right after the spec write leaves: the spec, and no record of it.
-    ckpt.write(node.checkpoint_path, ckpt.Checkpoint(boot_id=node.boot_id_path.read_text().strip()))
+    node.drop_records(crashed.uid)
 
     preparer = await node.started()
 
@@ -601,41 +593,33 @@ async def test_a_crash_between_the_spec_and_its_record_keeps_the_devices_reserve
     assert node.on_disk().claims[crashed.uid].phase == "PrepareCompleted"
 
 
-@pytest.mark.parametrize(
-    ("damaged", "damage"),
-    [
-        ("checkpoint.json", "truncate"),
-        ("checkpoint.json", "not json"),
-        ("checkpoint.json", "unknown schema"),
-        ("checkpoint.json.log", "flip"),
-        ("checkpoint.json.log", "not json"),
-    ],
-)
-async def test_damaged_checkpoint_is_rebuilt_from_the_cdi_specs(
-    node: Node, damaged: str, damage: str
-) -> None:
+@pytest.mark.parametrize("damage", ["zeros", "header", "deleted"])
+async def test_damaged_store_is_rebuilt_from_the_cdi_specs(node: Node, damage: str) -> None:
     kept, other = new_ref("kept"), new_ref("other")
     node.allocate(kept, "gpu-0", "gpu-1")
-    await (await node.started()).prepare([kept])
-    path = node.checkpoint_path.with_name(damaged)
+    first = await node.started()
+    await first.prepare([kept])
+    first.close()  # the plugin stopped; its store's log is folded into the file
+    path = node.store_path
     data = path.read_bytes()
     match damage:
-        case "truncate":
-            data = data[: len(data) // 2]
-        case "flip":
-            at = data.index(b'"gpu-0"') + 2
-            data = data[:at] + b"q" + data[at + 1 :]
-        case "not json":
-            data = data[: data.index(b"\n") + 1] + b"\x00" * 64 if damaged.endswith(".log") else b"\x00" * 64
-        case "unknown schema":
-            data = data.replace(b'"schemaVersion": 2', b'"schemaVersion": 0')
-    path.write_bytes(data)
+        case "zeros":
+            data = b"\x00" * len(data)
+        case "header":
+            data = b"\xff" * 100 + data[100:]
+        case "deleted":
+            data = b""
+    for leftover in path.parent.glob(f"{path.name}*"):
+        leftover.unlink()
+    if data:
+        path.write_bytes(data)
 
     preparer = await node.started()  # must not crash
 
-    aside = list(node.checkpoint_path.parent.glob(f"{damaged}.corrupt-*"))
-    assert len(aside) == 1
-    assert aside[0].read_bytes() == data
+    aside = list(path.parent.glob(f"{path.name}.corrupt-*"))
+    assert [a.read_bytes() for a in aside if not a.name.endswith(("-wal", "-shm"))] == (
+        [data] if data else []
+    )
     recovered = node.on_disk().claims[kept.uid]
     assert recovered.phase == "Recovered"
     assert [d.device for d in recovered.devices] == ["gpu-0", "gpu-1"]
@@ -665,8 +649,8 @@ async def test_unusable_spec_found_during_rebuild_is_removed(node: Node, content
     uid = "0d7f3c52-1b6e-4bb7-9a1e-0c6a3c1e5b11"
     node.cdi_dir.mkdir(parents=True)
     node.specs.path_for(uid).write_text(content)
-    node.checkpoint_path.parent.mkdir(parents=True)
-    node.checkpoint_path.write_text("{torn")
+    node.store_path.parent.mkdir(parents=True)
+    node.store_path.write_text("{torn")
 
     await node.started()
 

@@ -308,7 +308,7 @@ async def test_no_mig_device_is_created_on_a_gpu_with_shares(node: Node) -> None
     assert not [m for gpu in node.backend.inventory().gpus for m in gpu.mig_devices]
 
 
-async def test_a_share_survives_a_lost_checkpoint(node: Node, tmp_path: Path) -> None:
+async def test_a_share_survives_a_lost_store(node: Node, tmp_path: Path) -> None:
     """Rebuilt from its CDI spec, a share keeps only its share reserved: the neighbour can come."""
     preparer = await node.started(consumable=True)
     ref, neighbour = new_ref("ref"), new_ref("neighbour")
@@ -316,7 +316,7 @@ async def test_a_share_survives_a_lost_checkpoint(node: Node, tmp_path: Path) ->
     node.allocate(ref, "gpu-0", share_id=share, consumed={"memory": "10Gi"})
     node.allocate(neighbour, "gpu-0", share_id=share_id(), consumed={"memory": "10Gi"})
     await preparer.prepare([ref])
-    for path in node.checkpoint_path.parent.glob("checkpoint*"):
+    for path in node.state_dir.glob("state.db*"):
         path.unlink()
 
     restarted = await node.started(consumable=True)

@@ -25,9 +25,9 @@ import structlog
 
 from dra_driver.devices.backend import Backend, DeviceError
 from dra_driver.devices.types import ComputeMode, ComputePolicy
-from dra_driver.node.checkpoint import Checkpoint, ClaimRecord, SharingRecord
 from dra_driver.node.claims import ClaimRejected
 from dra_driver.node.plan import ClaimPlan
+from dra_driver.node.records import ClaimRecord, NodeState, SharingRecord
 from dra_driver.node.sharing.mps import (
     DEFAULT_READY_TIMEOUT_S,
     MpsDaemonError,
@@ -73,7 +73,7 @@ class SharingApplier:
         self._daemon_locks: dict[str, asyncio.Lock] = {}
 
     async def record(
-        self, uid: str, plan: ClaimPlan, sharing: SharingPlan, existing: ClaimRecord | None, state: Checkpoint
+        self, uid: str, plan: ClaimPlan, sharing: SharingPlan, existing: ClaimRecord | None, state: NodeState
     ) -> SharingRecord | None:
         """The claim's sharing record; :class:`ClaimRejected` when it cannot be done. Changes nothing."""
         if not sharing.changes_anything:
@@ -136,7 +136,7 @@ class SharingApplier:
         )
         return dataclasses.replace(plan, common=common)
 
-    async def undo(self, uid: str, record: SharingRecord | None, state: Checkpoint) -> None:
+    async def undo(self, uid: str, record: SharingRecord | None, state: NodeState) -> None:
         """Stop the daemon and restore the GPUs, except what other claims still use; raises SharingError."""
         if record is None:
             return
@@ -166,7 +166,7 @@ class SharingApplier:
         if failures:
             raise SharingError(f"cannot restore the GPUs' settings: {'; '.join(failures)}")
 
-    async def stop_leftover_daemons(self, fresh_state: Callable[[], Awaitable[Checkpoint]]) -> None:
+    async def stop_leftover_daemons(self, fresh_state: Callable[[], Awaitable[NodeState]]) -> None:
         """Stop the daemons no claim records (a prepare that crashed before recording its daemon).
 
         A claim recovered from its CDI spec has no sharing record: daemons named after its uid stay.
@@ -193,8 +193,8 @@ class SharingApplier:
             except MpsDaemonError as error:
                 log.error("mps_daemon_not_stopped", daemon=daemon, error=str(error))
 
-    async def stop_daemons_of(self, uid: str, state: Checkpoint) -> None:
-        """Stop the daemons of claim ``uid``, whose record of them was lost with the checkpoint.
+    async def stop_daemons_of(self, uid: str, state: NodeState) -> None:
+        """Stop the daemons of claim ``uid``, whose record of them was lost with the store.
 
         Those are the daemons named after the claim, and the shared daemon of each GPU it holds a
         share of, unless another claim of ``state`` may still be a client of that one.

@@ -37,12 +37,11 @@ from dataclasses import dataclass
 
 from dra_driver.devices.types import ComputeMode, ComputePolicy, TimeSlice
 from dra_driver.node.api_base import quantity_bytes
-from dra_driver.node.checkpoint import Checkpoint, GpuPolicyRecord
 from dra_driver.node.claims import ClaimRejected
 from dra_driver.node.config import GpuSharing
 from dra_driver.node.plan import ClaimPlan, PlannedDevice
+from dra_driver.node.records import GpuPolicyRecord, NodeState, describe
 from dra_driver.node.sharing.mps import MpsDaemonSpec, MpsDevice, daemon_id
-from dra_driver.node.state import describe
 from dra_driver.resources.naming import gpu_device_name
 
 MPS_MINIMUM_CAPABILITY = (7, 0)  # Volta: MPS with per-client thread and memory limits
@@ -139,7 +138,7 @@ def _describe(policy: ComputePolicy) -> str:
     return f"TimeSlicing with interval {policy.time_slice.value}"
 
 
-def held_by_others(uid: str, state: Checkpoint) -> dict[str, tuple[str, GpuPolicyRecord]]:
+def held_by_others(uid: str, state: NodeState) -> dict[str, tuple[str, GpuPolicyRecord]]:
     """GPU uuid -> (claim, its record) for every GPU another claim's sharing has set."""
     held: dict[str, tuple[str, GpuPolicyRecord]] = {}
     for other_uid, record in state.claims.items():
@@ -150,7 +149,7 @@ def held_by_others(uid: str, state: Checkpoint) -> dict[str, tuple[str, GpuPolic
     return held
 
 
-def check_agrees(uid: str, changes: tuple[GpuChange, ...], state: Checkpoint) -> None:
+def check_agrees(uid: str, changes: tuple[GpuChange, ...], state: NodeState) -> None:
     """Refuse a GPU that another prepared claim set differently (see the module doc)."""
     held = held_by_others(uid, state)
     for change in changes:

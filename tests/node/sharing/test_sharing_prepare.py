@@ -381,15 +381,15 @@ async def test_a_daemon_the_other_instance_starts_meanwhile_is_left_running(node
     assert_nothing_left_for(node, ref.uid)
 
 
-async def test_a_lost_checkpoint_still_stops_the_claims_daemon_at_unprepare(node: Node) -> None:
+async def test_a_lost_store_still_stops_the_claims_daemon_at_unprepare(node: Node) -> None:
     preparer = await node.started()
     ref = new_ref()
     node.allocate(ref, "gpu-0", configs=[mps()])
     await prepared(preparer, ref)
     daemon = node.on_disk().claims[ref.uid].sharing.mps_daemon  # type: ignore[union-attr]
     assert daemon is not None
-    for path in node.checkpoint_path.parent.glob("checkpoint.json*"):
-        path.unlink()  # the node's disk lost the checkpoint; the CDI spec survives
+    for path in node.state_dir.glob("state.db*"):
+        path.unlink()  # the node's disk lost the store; the CDI spec survives
 
     restarted = await node.started()
     assert node.on_disk().claims[ref.uid].phase == "Recovered"
@@ -399,7 +399,7 @@ async def test_a_lost_checkpoint_still_stops_the_claims_daemon_at_unprepare(node
     assert not node.mps.paths(daemon).root.exists()
 
 
-async def test_a_gpus_shared_daemon_outlives_a_lost_checkpoint_until_its_last_share_is_unprepared(
+async def test_a_gpus_shared_daemon_outlives_a_lost_store_until_its_last_share_is_unprepared(
     node: Node,
 ) -> None:
     preparer = await node.started(consumable=True)
@@ -410,8 +410,8 @@ async def test_a_gpus_shared_daemon_outlives_a_lost_checkpoint_until_its_last_sh
     daemon = node.on_disk().claims[first.uid].sharing.mps_daemon  # type: ignore[union-attr]
     assert daemon is not None
     assert daemon.startswith("shared-")
-    for path in node.checkpoint_path.parent.glob("checkpoint.json*"):
-        path.unlink()  # the node's disk lost the checkpoint; the CDI specs survive
+    for path in node.state_dir.glob("state.db*"):
+        path.unlink()  # the node's disk lost the store; the CDI specs survive
 
     restarted = await node.started(consumable=True)
     assert {record.phase for record in node.on_disk().claims.values()} == {"Recovered"}

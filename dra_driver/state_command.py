@@ -1,0 +1,162 @@
+"""``dra-driver state``: what the node's store holds, for an operator, read-only.
+
+It opens ``state.db`` in the plugin's data directory read-only, so it works beside a running
+plugin (the store's write-ahead log lets a reader see the last committed state without
+waiting for, or blocking, a writer) and on a stopped one. It prints the prepared claims and
+their devices, the MIG devices the driver created, the MPS control daemons the claims use,
+and the GPU compute modes and time slices that their unprepare puts back: as tables, or as
+one JSON document with ``-o json`` (for scripts and bug reports).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from dra_driver.errors import StartupError
+from dra_driver.node.records import ClaimRecord, MigRecord
+from dra_driver.node.store import STORE_FILE, open_read_only
+
+
+def read(data_dir: Path) -> dict[str, Any]:
+    """The store's content as a JSON-ready document; :class:`StartupError` when there is none."""
+    path = data_dir / STORE_FILE
+    if not path.exists():
+        raise StartupError(
+            f"no store at {path}: the plugin has not started on this node, or --data-dir / DRA_DATA_DIR "
+            "points elsewhere"
+        )
+    try:
+        store = open_read_only(path)
+        try:
+            state, migs = store.snapshot(), store.mig_devices()
+        finally:
+            store.close()
+    except sqlite3.Error as error:
+        raise StartupError(f"cannot read the store {path}: {error}") from None
+    return {
+        "store": str(path),
+        "bootId": state.boot_id,
+        "claims": [_claim(uid, record) for uid, record in state.claims.items()],
+        "migDevices": [_mig(mig) for mig in migs.values()],
+        "mpsDaemons": _daemons(state.claims),
+        "computeModesToRestore": _restores(state.claims),
+    }
+
+
+def render(document: dict[str, Any], output: str) -> str:
+    if output == "json":
+        return json.dumps(document, indent=2, sort_keys=True)
+    parts = [f"store {document['store']} (boot {document['bootId']})"]
+    parts.append(
+        _table(
+            ("CLAIM", "UID", "PHASE", "DEVICES"),
+            [
+                (
+                    f"{c['namespace']}/{c['name']}" if c["namespace"] else "(recovered from its CDI spec)",
+                    c["uid"],
+                    c["phase"],
+                    ", ".join(_device_text(d) for d in c["devices"]),
+                )
+                for c in document["claims"]
+            ],
+            "no prepared claims",
+        )
+    )
+    parts.append(
+        _table(
+            ("MIG DEVICE (CREATED BY THE DRIVER)", "GPU", "PROFILE ID", "PLACEMENT"),
+            [
+                (
+                    m["uuid"],
+                    m["parentDevice"],
+                    str(m["profileId"]),
+                    f"{m['placementStart']}+{m['placementSize']}",
+                )
+                for m in document["migDevices"]
+            ],
+            "no MIG devices created by the driver",
+        )
+    )
+    parts.append(
+        _table(
+            ("MPS DAEMON", "CLAIMS"),
+            [(d["id"], ", ".join(d["claims"])) for d in document["mpsDaemons"]],
+            "no MPS daemons",
+        )
+    )
+    parts.append(
+        _table(
+            ("GPU", "RESTORE COMPUTE MODE", "RESTORE TIME SLICE", "SET BY CLAIMS"),
+            [
+                (r["gpuUuid"], r["computeMode"], r["timeSlice"], ", ".join(r["claims"]))
+                for r in document["computeModesToRestore"]
+            ],
+            "no compute modes to restore",
+        )
+    )
+    return "\n\n".join(parts)
+
+
+def _claim(uid: str, record: ClaimRecord) -> dict[str, Any]:
+    return {
+        "uid": uid,
+        "namespace": record.namespace,
+        "name": record.name,
+        "phase": record.phase,
+        "devices": [
+            d.model_dump(mode="json", by_alias=True, exclude={"cdi_device_ids"}) for d in record.devices
+        ],
+    }
+
+
+def _mig(mig: MigRecord) -> dict[str, Any]:
+    return mig.model_dump(mode="json", by_alias=True)
+
+
+def _daemons(claims: dict[str, ClaimRecord]) -> list[dict[str, Any]]:
+    users: dict[str, list[str]] = {}
+    for uid, record in claims.items():
+        if record.sharing is not None and record.sharing.mps_daemon:
+            users.setdefault(record.sharing.mps_daemon, []).append(uid)
+    return [{"id": daemon, "claims": uids} for daemon, uids in sorted(users.items())]
+
+
+def _restores(claims: dict[str, ClaimRecord]) -> list[dict[str, Any]]:
+    gpus: dict[str, dict[str, Any]] = {}
+    for uid, record in claims.items():
+        for gpu in record.sharing.gpus if record.sharing else ():
+            entry = gpus.setdefault(
+                gpu.gpu_uuid,
+                {
+                    "gpuUuid": gpu.gpu_uuid,
+                    "computeMode": gpu.previous_compute_mode,
+                    "timeSlice": gpu.previous_time_slice,
+                    "claims": [],
+                },
+            )
+            entry["claims"].append(uid)
+    return [gpus[uuid] for uuid in sorted(gpus)]
+
+
+def _device_text(device: dict[str, Any]) -> str:
+    notes = []
+    if device.get("adminAccess"):
+        notes.append("admin access")
+    if device.get("shareId"):
+        notes.append(f"share {device['shareId']}")
+    if mig := device.get("mig"):
+        notes.append(f"created {mig['uuid']}" if mig.get("uuid") else "to be created")
+    return f"{device['device']} ({', '.join(notes)})" if notes else device["device"]
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]], empty: str) -> str:
+    if not rows:
+        return empty
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    )
