@@ -44,7 +44,7 @@ import shutil
 import tempfile
 import uuid
 from collections import Counter
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -285,6 +285,12 @@ def _restore_tree(copy: Path, live: Path) -> int:
     return changed
 
 
+Crashed = object()  # what a call answers when its instance died during it
+# A quarter of the calls are armed to crash at a point of theirs, the first or second time.
+CRASH_AT = st.integers(0, 3).flatmap(
+    lambda roll: st.tuples(st.sampled_from(crashpoint.POINTS), st.integers(1, 2)) if roll == 0 else st.none()
+)
+
 # Counted over every machine run in this process, for e2e/reliability's report.
 TOTALS: Counter[str] = Counter()
 KINDS_SEEN: set[str] = set()
@@ -439,28 +445,60 @@ class NodeStateModel(RuleBasedStateMachine):
         self.model.append(claim)
         return ref.name
 
-    @rule(name=claims, via=st.integers(0, 1))
-    def prepare(self, name: str, via: int) -> None:
+    @rule(name=claims, via=st.integers(0, 1), crash_at=CRASH_AT)
+    def prepare(self, name: str, via: int, crash_at: tuple[str, int] | None) -> None:
         claim = self._claim(name)
-        self._step(f"prepare {claim}")
+        self._step(f"prepare {claim}" + (f", crashing at {crash_at}" if crash_at else ""))
         preparer = self._via(via)
         expected = self.expected(claim)
-        outcome = self.run(preparer.prepare([claim.ref]))[claim.ref.uid]
+        outcome = self._call(preparer, preparer.prepare, claim, crash_at)
+        if outcome is Crashed:
+            if claim.status is not Status.PREPARED:
+                claim.status = Status.DOUBT
+            return
         ok = not isinstance(outcome, ClaimError)
-        self._judge_prepare(claim, ok, "" if ok else outcome.message, expected, f"instance {via}")
+        self._judge_prepare(claim, ok, getattr(outcome, "message", ""), expected, f"instance {via}")
         if ok:
             KINDS_SEEN.add(claim.kind)
 
-    @rule(name=claims, via=st.integers(0, 1))
-    def unprepare(self, name: str, via: int) -> None:
+    @rule(name=claims, via=st.integers(0, 1), crash_at=CRASH_AT)
+    def unprepare(self, name: str, via: int, crash_at: tuple[str, int] | None) -> None:
         claim = self._claim(name)
-        self._step(f"unprepare {claim}")
+        self._step(f"unprepare {claim}" + (f", crashing at {crash_at}" if crash_at else ""))
         preparer = self._via(via)
-        outcome = self.run(preparer.unprepare([claim.ref]))[claim.ref.uid]
+        outcome = self._call(preparer, preparer.unprepare, claim, crash_at)
+        if outcome is Crashed:
+            if claim.may_hold:
+                claim.status = Status.DOUBT  # the kubelet retries the unprepare
+            return
         assert outcome is None, f"unprepare of {claim} failed: {outcome.message}" + self._history()
         claim.status = Status.UNPREPARED
         recorded = {ref.uid for ref, _ in preparer.prepared()}
         assert claim.ref.uid not in recorded, f"unprepared {claim} is still recorded by its instance"
+
+    def _call(
+        self,
+        preparer: NodePreparer,
+        operation: Callable[[list[ClaimRef]], Coroutine[Any, Any, dict[str, Any]]],
+        claim: Claim,
+        crash_at: tuple[str, int] | None,
+    ) -> Any:
+        """The claim's outcome of one call, or :data:`Crashed` when the instance died during it."""
+        if crash_at is None:
+            return self.run(operation([claim.ref]))[claim.ref.uid]
+        TOTALS["crash_attempts"] += 1
+        with self.crashes.armed(*crash_at):
+            try:
+                return self.run(self.crashes.dying(operation([claim.ref])))[claim.ref.uid]
+            except Crash as crash:
+                self.steps[-1] += f" (crashed at {crash})"
+        self.crashes.restore()
+        TOTALS["crashes"] += 1
+        self.instances.remove(preparer)
+        self.gone.append(preparer)
+        if not self.instances:
+            self._start()  # the DaemonSet starts another
+        return Crashed
 
     @precondition(lambda self: len(self.instances) == 2)
     @rule(first=claims, second=claims)
@@ -486,45 +524,7 @@ class NodeStateModel(RuleBasedStateMachine):
 
     # --- rules: faults ---------------------------------------------------------------------------
 
-    @rule(
-        name=claims,
-        operation=st.sampled_from(("prepare", "unprepare")),
-        point=st.sampled_from(crashpoint.POINTS),
-        nth=st.integers(1, 2),
-        via=st.integers(0, 1),
-    )
-    def crash(self, name: str, operation: str, point: str, nth: int, via: int) -> None:
-        """The instance dies at a crash point of a prepare or unprepare; the DaemonSet starts another."""
-        claim = self._claim(name)
-        preparer = self._via(via)
-        self._step(f"{operation} {claim}, crashing at {point}@{nth}")
-        expected = self.expected(claim)
-        with self.crashes.armed(point, nth):
-            try:
-                if operation == "prepare":
-                    outcome: Any = self.run(self.crashes.dying(preparer.prepare([claim.ref])))[claim.ref.uid]
-                else:
-                    outcome = self.run(self.crashes.dying(preparer.unprepare([claim.ref])))[claim.ref.uid]
-            except Crash as crash:
-                self.steps[-1] += f" (crashed at {crash})"
-                self.crashes.restore()
-                TOTALS["crashes"] += 1
-                self.instances.remove(preparer)
-                self.gone.append(preparer)
-                if claim.may_hold or operation == "prepare":
-                    claim.status = Status.PREPARED if claim.status is Status.PREPARED else Status.DOUBT
-                if not self.instances:
-                    self._start()
-                return
-        # The point was not reached: an ordinary call.
-        if operation == "prepare":
-            ok = not isinstance(outcome, ClaimError)
-            self._judge_prepare(claim, ok, getattr(outcome, "message", ""), expected, "instance")
-        else:
-            assert outcome is None, f"unprepare of {claim} failed: {outcome.message}"
-            claim.status = Status.UNPREPARED
-
-    @rule(crash_at=st.none() | st.tuples(st.sampled_from(crashpoint.POINTS), st.integers(1, 2)))
+    @rule(crash_at=CRASH_AT)
     def restart(self, crash_at: tuple[str, int] | None) -> None:
         """Every instance stops; a new one starts (and may itself die while it recovers)."""
         self._step(f"restart{f', the new instance crashing at {crash_at}' if crash_at else ''}")
