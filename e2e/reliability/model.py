@@ -19,6 +19,7 @@ def run(examples: int, steps: int) -> dict[str, Any]:
     return {
         "model.examples": model.TOTALS["examples"],
         "model.steps": model.TOTALS["steps"],
+        "model.crash_attempts": model.TOTALS["crash_attempts"],  # armed; not every point is reached
         "model.crashes": model.TOTALS["crashes"],
         "model.crashes_during_start": model.TOTALS["crashes_during_start"],
         "model.kinds": sorted(model.KINDS_SEEN),
