@@ -663,19 +663,25 @@ NodeStateModel.TestCase.settings = MODEL_SETTINGS
 TestNodeStateModel = NodeStateModel.TestCase
 
 
+@pytest.mark.parametrize("device", ["gpu-2", STATIC_MIG])
 @pytest.mark.parametrize(
     "admin_uid", ["00000000-0000-4000-8000-000000000000", "ffffffff-ffff-4fff-bfff-ffffffffffff"]
 )
-async def test_the_reviews_sequence_keeps_the_gpu_with_its_workload(node: Node, admin_uid: str) -> None:
+async def test_the_reviews_sequence_keeps_the_device_with_its_workload(
+    node: Node, admin_uid: str, device: str
+) -> None:
     """Issue 20's sequence: admin access beside a workload, the state lost, a restart, a third claim.
 
     Recovery reads the specs in the order of their uids: the admin claim's comes first or last.
+    The same holds for a static MIG device as for a full GPU.
     """
+    if device == STATIC_MIG:
+        node.backend.admin_create_mig(1, "3g.40gb", 0)
     work, third = new_ref("work"), new_ref("third")
     admin = ClaimRef("default", "admin", admin_uid)
-    node.allocate(work, "gpu-2")
-    node.allocate(admin, "gpu-2", admin_access=True)
-    node.allocate(third, "gpu-2")
+    node.allocate(work, device)
+    node.allocate(admin, device, admin_access=True)
+    node.allocate(third, device)
     first = await node.started()
     for ref in (work, admin):
         assert not isinstance((await first.prepare([ref]))[ref.uid], ClaimError)
@@ -688,9 +694,26 @@ async def test_the_reviews_sequence_keeps_the_gpu_with_its_workload(node: Node, 
     assert not isinstance(again, ClaimError), again.message
     assert (await restarted.unprepare([admin]))[admin.uid] is None
     refused = (await restarted.prepare([third]))[third.uid]
-    assert isinstance(refused, ClaimError), "gpu-2 was prepared for a second claim while work holds it"
+    assert isinstance(refused, ClaimError), f"{device} was prepared for a second claim while work holds it"
     assert node.specs.path_for(work.uid).exists()
     assert not node.specs.path_for(third.uid).exists()
+
+
+async def test_a_mig_device_made_for_a_claim_goes_with_its_unprepare_after_the_state_was_lost(
+    node: Node,
+) -> None:
+    """Found by the machine: the claim rebuilt from its spec must remember that the driver made its device."""
+    ref = new_ref("partition")
+    node.allocate(ref, "gpu-0-mig-1g10gb-19-0")
+    first = await node.started()
+    assert not isinstance((await first.prepare([ref]))[ref.uid], ClaimError)
+    await first.drain(10)
+    shutil.rmtree(node.checkpoint_path.parent)  # the state is lost while the driver is down
+
+    restarted = await node.started()
+
+    assert (await restarted.unprepare([ref]))[ref.uid] is None
+    assert node.backend.inventory().gpus[0].mig_devices == (), "the claim's MIG device outlived its unprepare"
 
 
 def run_many(max_examples: int, step_count: int) -> str | None:
