@@ -16,7 +16,9 @@ two claims); after the unprepare has succeeded, that nothing is left (no spec, n
 device: this node has no static MIG devices).
 
 Pods are one claim or three; each claim gets a full GPU or a 1g.10gb MIG device created for it
-(dynamic MIG), on GPUs picked at random.
+(dynamic MIG), on GPUs picked at random. In four runs of ten the pod also has a claim with admin
+access (a monitoring container) to one of the GPUs, most often one another claim of the pod holds:
+it must be prepared beside that claim, and never count as a second holder.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class Kill9Figures:
     failed_claims: int = 0  # claims not prepared or unprepared within RETRIES retries
     leftover_temp_files: int = 0  # half-written checkpoints or specs still there after the restart
     killed_at: Counter[str] = field(default_factory=Counter)
+    claims_by_kind: Counter[str] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
@@ -74,6 +77,7 @@ class Kill9Figures:
             "kill9.failed_claims": self.failed_claims,
             "kill9.leftover_temp_files": self.leftover_temp_files,
             "kill9.killed_at": dict(sorted(self.killed_at.items())),
+            "kill9.claims_by_kind": dict(sorted(self.claims_by_kind.items())),
             "kill9.problems": self.problems[:20],
         }
 
@@ -81,6 +85,7 @@ class Kill9Figures:
 @dataclass(frozen=True)
 class Plan:
     devices: tuple[str, ...]  # one per claim
+    admin_devices: tuple[str, ...]  # one per claim with admin access
     crash_point: str | None  # armed in the daemon, "<point>@<n>"
     external_kill: tuple[str, float] | None  # ("prepare" | "unprepare", seconds after the call)
     pod_deleted_after_kill: bool  # skip the retried prepare, as when the pod was deleted meanwhile
@@ -96,6 +101,11 @@ def plan_run(rng: random.Random) -> Plan:
             devices.append(f"gpu-{gpu}-mig-{MIG_PROFILE}-{rng.randrange(7)}")
         else:
             devices.append(f"gpu-{gpu}")
+    admin: tuple[str, ...] = ()
+    if rng.random() < 0.4:
+        whole = [d for d in devices if "-mig-" not in d]
+        admin = (rng.choice(whole) if whole and rng.random() < 0.8 else f"gpu-{rng.randrange(8)}",)
+    claims += len(admin)
     migs = sum("-mig-" in d for d in devices)
     crash_point: str | None = None
     external: tuple[str, float] | None = None
@@ -115,7 +125,7 @@ def plan_run(rng: random.Random) -> Plan:
         crash_point = f"{point}@{rng.randint(1, hits)}"
     else:
         external = (rng.choice(("prepare", "unprepare")), rng.uniform(0.0, 0.06))
-    return Plan(tuple(devices), crash_point, external, pod_deleted_after_kill=rng.random() < 0.25)
+    return Plan(tuple(devices), admin, crash_point, external, pod_deleted_after_kill=rng.random() < 0.25)
 
 
 async def run(env: Env, runs: int, seed: int) -> Kill9Figures:
@@ -134,7 +144,11 @@ async def run(env: Env, runs: int, seed: int) -> Kill9Figures:
 
 
 async def _one_run(node: SimNode, plugin: Plugin, plan: Plan, figures: Kill9Figures, number: int) -> None:
-    claims = await asyncio.to_thread(lambda: [node.claim(device) for device in plan.devices])
+    claims = await asyncio.to_thread(
+        lambda: [node.claim(d) for d in plan.devices] + [node.admin_claim(d) for d in plan.admin_devices]
+    )
+    figures.claims_by_kind.update("mig-dynamic" if "-mig-" in d else "gpu" for d in plan.devices)
+    figures.claims_by_kind.update("admin-gpu" for _ in plan.admin_devices)
     label = f"run {number} {plan}"
     killed = False
 

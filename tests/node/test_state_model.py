@@ -17,15 +17,18 @@ the CDI directory, the GPUs and their MIG devices, the MPS daemons -- and the pr
   holder but one has admin access, or all are shares of the GPU;
 * every claim the kubelet was told is prepared has its spec and its record (after a lost state,
   the record rebuilt from its spec is checked by what it refuses, and named by the next prepare);
-* a claim told unprepared (or refused) has no spec, no record, no MIG device, no MPS daemon;
+* a claim told unprepared (or refused) has no spec, no MIG device, no MPS daemon, and the instance
+  that unprepared it no record;
 * a prepare the model says must succeed does (nothing else holds what it asks for, or it was
-  prepared before: a repeat), and one that conflicts with a prepared claim is refused.
+  prepared before: a repeat), and one that conflicts with a prepared claim is refused;
+* a node no claim may hold has no spec, record or MPS daemon left, and every GPU's compute mode and
+  time slice back (unless the state that said what to put back was lost).
 
 A crash is simulated in this process: at the chosen crash point the machine copies the files a
 SIGKILL would leave (state, CDI specs, the simulated GPUs), raises :class:`Crash`, which nothing
 in the driver catches, and puts back those copies once the dying call has unwound, so whatever an
-``except BaseException`` undid after the crash point is undone again. The crashed instance is
-never called again. (MPS daemons are processes and survive a real SIGKILL; an in-process crash
+``except BaseException`` undid after the crash point is undone again; whatever else it had running
+is cancelled while every crash point still raises. The crashed instance is never called again. (MPS daemons are processes and survive a real SIGKILL; an in-process crash
 may stop them while unwinding, which the driver must cope with too.)
 
 Compute-domain channels are not prepared here (the compute-domain plugin does), so they are not
