@@ -31,6 +31,7 @@ def test_kill9_at_random_points_and_crash_points_loses_nothing(env: Env) -> None
     figures = suite.run(env, suite.CI, SEED, only=("kill9",))
     assert figures["kill9.runs"] == suite.CI.kill9_runs
     assert figures["kill9.kills"] > 0
+    assert set(figures["kill9.claims_by_kind"]) == {"gpu", "mig-dynamic", "admin-gpu"}
     check(figures, "kill9")
 
 

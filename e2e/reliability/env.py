@@ -31,6 +31,7 @@ class Env:
             create_fake_node(api, name)
         claims = AllocatedClaims(self.cluster.rest(), DRIVER, name)
         claims.namespace(name, admin_access=False)
+        claims.namespace(f"{name}-admin", admin_access=True)  # monitoring pods' claims
         return SimNode(self, name, claims)
 
 
@@ -59,6 +60,10 @@ class SimNode:
     def claim(self, device: str) -> ClaimRef:
         """A new claim in the node's namespace, allocated ``device`` of this node."""
         return self.claims.create(self.name, f"c{next(_names)}", device, admin_access=False)
+
+    def admin_claim(self, device: str) -> ClaimRef:
+        """A claim with admin access to ``device`` (a monitoring pod's), in the admin namespace."""
+        return self.claims.create(f"{self.name}-admin", f"a{next(_names)}", device, admin_access=True)
 
 
 @contextlib.contextmanager

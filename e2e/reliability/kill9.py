@@ -16,7 +16,11 @@ two claims); after the unprepare has succeeded, that nothing is left (no spec, n
 device: this node has no static MIG devices).
 
 Pods are one claim or three; each claim gets a full GPU or a 1g.10gb MIG device created for it
-(dynamic MIG), on GPUs picked at random.
+(dynamic MIG), on GPUs picked at random. In four runs of ten the pod also has a claim with admin
+access (a monitoring container) to one of the GPUs, most often one another claim of the pod holds:
+it must be prepared beside that claim, and never count as a second holder. In three runs of ten the
+daemon started after the kill is armed at a crash point too (its first hit): it dies again while it
+recovers (counted in ``kill9.kills_during_recovery``) or later in the run, and is started once more.
 """
 
 from __future__ import annotations
@@ -46,12 +50,16 @@ from e2e.reliability.plugin import (
 MIG_PROFILE = "1g10gb-19"  # H100 1g.10gb: profile id 19, placements 0..6
 RETRIES = 8  # the kubelet retries forever; a claim that needs more than this is counted as failed
 _MIG_POINTS = {p for p in POINTS if p.startswith("mig.")}
+# What a start-up that repairs the state writes through (the store's or the checkpoint's points); a
+# start with nothing to repair passes none of them, and the daemon dies there later in the run.
+_RECOVERY_POINTS = [p for p in POINTS if p.startswith(("store.", "datafile.", "journal."))] or list(POINTS)
 
 
 @dataclass
 class Kill9Figures:
     runs: int = 0
     kills: int = 0  # runs in which the daemon really died (a crash point may not be reached)
+    kills_during_recovery: int = 0  # the daemon started after a kill died again while it recovered
     leaked_specs: int = 0
     leaked_mig: int = 0
     leaked_records: int = 0
@@ -60,12 +68,14 @@ class Kill9Figures:
     failed_claims: int = 0  # claims not prepared or unprepared within RETRIES retries
     leftover_temp_files: int = 0  # half-written specs still there after the restart
     killed_at: Counter[str] = field(default_factory=Counter)
+    claims_by_kind: Counter[str] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         return {
             "kill9.runs": self.runs,
             "kill9.kills": self.kills,
+            "kill9.kills_during_recovery": self.kills_during_recovery,
             "kill9.leaked_specs": self.leaked_specs,
             "kill9.leaked_mig": self.leaked_mig,
             "kill9.leaked_records": self.leaked_records,
@@ -74,6 +84,7 @@ class Kill9Figures:
             "kill9.failed_claims": self.failed_claims,
             "kill9.leftover_temp_files": self.leftover_temp_files,
             "kill9.killed_at": dict(sorted(self.killed_at.items())),
+            "kill9.claims_by_kind": dict(sorted(self.claims_by_kind.items())),
             "kill9.problems": self.problems[:20],
         }
 
@@ -81,9 +92,12 @@ class Kill9Figures:
 @dataclass(frozen=True)
 class Plan:
     devices: tuple[str, ...]  # one per claim
+    admin_devices: tuple[str, ...]  # one per claim with admin access
     crash_point: str | None  # armed in the daemon, "<point>@<n>"
     external_kill: tuple[str, float] | None  # ("prepare" | "unprepare", seconds after the call)
     pod_deleted_after_kill: bool  # skip the retried prepare, as when the pod was deleted meanwhile
+    # armed in the daemon started after the kill ("<point>@1"): it may die again while it recovers
+    recovery_crash_point: str | None = None
 
 
 def plan_run(rng: random.Random) -> Plan:
@@ -96,6 +110,11 @@ def plan_run(rng: random.Random) -> Plan:
             devices.append(f"gpu-{gpu}-mig-{MIG_PROFILE}-{rng.randrange(7)}")
         else:
             devices.append(f"gpu-{gpu}")
+    admin: tuple[str, ...] = ()
+    if rng.random() < 0.4:
+        whole = [d for d in devices if "-mig-" not in d]
+        admin = (rng.choice(whole) if whole and rng.random() < 0.8 else f"gpu-{rng.randrange(8)}",)
+    claims += len(admin)
     migs = sum("-mig-" in d for d in devices)
     crash_point: str | None = None
     external: tuple[str, float] | None = None
@@ -113,7 +132,9 @@ def plan_run(rng: random.Random) -> Plan:
         crash_point = f"{point}@{rng.randint(1, hits)}"
     else:
         external = (rng.choice(("prepare", "unprepare")), rng.uniform(0.0, 0.06))
-    return Plan(tuple(devices), crash_point, external, pod_deleted_after_kill=rng.random() < 0.25)
+    deleted = rng.random() < 0.25
+    recovery_crash = f"{rng.choice(_RECOVERY_POINTS)}@1" if rng.random() < 0.3 else None
+    return Plan(tuple(devices), admin, crash_point, external, deleted, recovery_crash)
 
 
 async def run(env: Env, runs: int, seed: int) -> Kill9Figures:
@@ -132,23 +153,37 @@ async def run(env: Env, runs: int, seed: int) -> Kill9Figures:
 
 
 async def _one_run(node: SimNode, plugin: Plugin, plan: Plan, figures: Kill9Figures, number: int) -> None:
-    claims = await asyncio.to_thread(lambda: [node.claim(device) for device in plan.devices])
+    claims = await asyncio.to_thread(
+        lambda: [node.claim(d) for d in plan.devices] + [node.admin_claim(d) for d in plan.admin_devices]
+    )
+    figures.claims_by_kind.update("mig-dynamic" if "-mig-" in d else "gpu" for d in plan.devices)
+    figures.claims_by_kind.update("admin-gpu" for _ in plan.admin_devices)
     label = f"run {number} {plan}"
     killed = False
 
     async def ensure_running() -> None:
         nonlocal killed
         if not plugin.running:
-            killed = True
             plugin.reap()
-            await _start(plugin, None)
+            await restart()
+
+    async def restart() -> None:
+        """The daemon after a kill; the first one armed to die again (while it recovers, or later)."""
+        nonlocal killed
+        first, killed = not killed, True
+        if first and plan.recovery_crash_point is not None:
+            try:
+                await _start(plugin, plan.recovery_crash_point)
+                return
+            except PluginDied:
+                figures.kills_during_recovery += 1
+        await _start(plugin, None)
 
     await plugin.stop()
     try:
         await _start(plugin, plan.crash_point)
     except PluginDied:
-        killed = True
-        await _start(plugin, None)
+        await restart()
 
     told_prepared: set[str] = set()
     result = await _call(plugin, "prepare", claims, plan)

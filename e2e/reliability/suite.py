@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from e2e.reliability import diskfull, fuzz_grpc, fuzz_parsers, kill9, outage, rolling
+from e2e.reliability import diskfull, fuzz_grpc, fuzz_parsers, kill9, model, outage, rolling
 from e2e.reliability.env import Env
 
 
@@ -21,10 +21,12 @@ class Size:
     outage_rounds: int
     diskfull_rounds: int
     rolling_rounds: int
+    model_examples: int  # sequences of the model-based test of the node's state
+    model_steps: int  # steps per sequence
 
 
-FULL = Size(200, 25_000, 1_200, 10_000, 3, 5, 30)
-CI = Size(14, 1_000, 120, 2_000, 1, 2, 4)
+FULL = Size(200, 25_000, 1_200, 10_000, 3, 5, 30, 400, 40)
+CI = Size(14, 1_000, 120, 2_000, 1, 2, 4, 20, 30)
 
 # Figures whose goal is 0: each counts something that went wrong.
 ZERO_GOALS = (
@@ -36,9 +38,10 @@ ZERO_GOALS = (
     "diskfull.failed_unclearly", "diskfull.damaged_files", "diskfull.temp_files_left",
     "diskfull.not_recovered",
     "rolling.lost_updates", "rolling.double_allocations", "rolling.unexpected_failures",
+    "model.failures",
 )  # fmt: skip
 REPUBLISH_GOAL_S = 5.0
-SCENARIOS = ("kill9", "fuzz", "outage", "diskfull", "rolling")
+SCENARIOS = ("kill9", "fuzz", "outage", "diskfull", "rolling", "model")
 
 
 def missed_goals(figures: dict[str, Any]) -> list[str]:
@@ -72,6 +75,7 @@ def run(env: Env, size: Size, seed: int, only: tuple[str, ...] = SCENARIOS) -> d
     timed("outage", lambda: asyncio.run(outage.run(env, size.outage_rounds)).as_json())
     timed("diskfull", lambda: asyncio.run(diskfull.run(env, size.diskfull_rounds)).as_json())
     timed("rolling", lambda: asyncio.run(rolling.run(env, size.rolling_rounds, seed)).as_json())
+    timed("model", lambda: model.run(size.model_examples, size.model_steps))
     figures["seconds"] = seconds
     return figures
 
