@@ -393,7 +393,8 @@ def entrypoint() -> list[str]:
 @pytest.fixture(scope="module")
 def installed_entrypoint(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """The image's entry point, from the wheel built and installed into a clean virtualenv as the
-    Dockerfile does it: only the files it copies, `pip wheel`, then `pip install` of that wheel."""
+    Dockerfile does it: only the files it copies, `pip wheel`, the lock's dependencies with their
+    hashes required, then that wheel without dependencies."""
     base = tmp_path_factory.mktemp("image")
     context = base / "src"
     for source in build_inputs():
@@ -401,14 +402,16 @@ def installed_entrypoint(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
         if origin.is_dir():
             shutil.copytree(origin, context / source, ignore=shutil.ignore_patterns("__pycache__"))
         else:
-            context.mkdir(exist_ok=True)
+            (context / source).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(origin, context / source)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet"]
     run([*pip, "wheel", "--no-deps", "--wheel-dir", str(base / "wheels"), str(context)])
     (wheel,) = (base / "wheels").glob("*.whl")
     run([sys.executable, "-m", "venv", str(base / "venv")])
     venv_pip = [str(base / "venv" / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", "--quiet"]
-    run([*venv_pip, "install", str(wheel)])
+    (lock,) = [source for source in build_inputs() if source.startswith("requirements/")]
+    run([*venv_pip, "install", "--require-hashes", "--no-deps", "-r", str(context / lock)])
+    run([*venv_pip, "install", "--no-deps", str(wheel)])
     program, *arguments = entrypoint()
     return [str(base / "venv" / "bin" / program), *arguments]
 
