@@ -653,3 +653,29 @@ def test_the_webhook_may_only_read_slices_and_classes_with_an_account_of_its_own
         for s in b["subjects"]
     ]
     assert sum(s["name"] == account for s in bound) == 1
+
+
+def test_an_image_digest_pins_every_container_of_the_driver(helm: Path) -> None:
+    """image.digest set: the plugin, the webhook, the compute-domain controller and the MPS daemons
+    (the plugin's own image by default) all run repository@digest; the tag is not used."""
+    digest = "sha256:" + "ab" * 32
+    values = {
+        "image": {"repository": "registry.example.com/gpu", "tag": "moved", "digest": digest},
+        "webhook": {"enabled": True},
+    }
+    manifests = render(helm, values)
+    images = {
+        container["image"]
+        for manifest in manifests
+        if manifest["kind"] in ("DaemonSet", "Deployment")
+        for container in manifest["spec"]["template"]["spec"]["containers"]
+    }
+    mps_image = plugin_env(manifests)["DRA_MPS_DAEMON_IMAGE"]["value"]
+    assert images | {mps_image} == {f"registry.example.com/gpu@{digest}"}
+    assert len(of_kind(manifests, "Deployment")) == 2  # the webhook and the compute-domain controller
+    with_tag = render(helm, {"image": {"repository": "registry.example.com/gpu", "tag": "moved"}})
+    assert pod_spec(with_tag)["containers"][0]["image"] == "registry.example.com/gpu:moved"
+
+
+def test_an_image_digest_that_is_not_sha256_is_refused(helm: Path) -> None:
+    assert "digest" in render_error(helm, {"image": {"digest": "latest"}})
