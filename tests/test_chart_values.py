@@ -197,11 +197,13 @@ def switched_on(helm: Path) -> tuple[dict[str, Any], list[Manifest]]:
     return values, render(helm, values)
 
 
-# Values whose effect shows only in another release namespace; each has a test of its own.
+# Values whose effect shows only in another release namespace, or that cannot be switched off alone
+# while every switch is on; each has a test of its own.
 NAMESPACE_DEPENDENT = {"allowDefaultNamespace": "test_the_default_namespace_is_refused_unless_allowed"}
+OWN_TEST = {"metricsPublic": "test_metrics_leave_the_pod_only_when_asked_and_then_behind_a_network_policy"}
 
 
-@pytest.mark.parametrize("path", [path for path in LEAVES if path not in NAMESPACE_DEPENDENT])
+@pytest.mark.parametrize("path", [path for path in LEAVES if path not in {**NAMESPACE_DEPENDENT, **OWN_TEST}])
 def test_every_value_changes_what_is_deployed(
     helm: Path, path: str, switched_on: tuple[dict[str, Any], list[Manifest]]
 ) -> None:
@@ -679,3 +681,30 @@ def test_an_image_digest_pins_every_container_of_the_driver(helm: Path) -> None:
 
 def test_an_image_digest_that_is_not_sha256_is_refused(helm: Path) -> None:
     assert "digest" in render_error(helm, {"image": {"digest": "latest"}})
+
+
+def test_metrics_leave_the_pod_only_when_asked_and_then_behind_a_network_policy(helm: Path) -> None:
+    default = render(helm)
+    assert plugin_env(default)["DRA_METRICS_PUBLIC"]["value"] == "false"
+    assert of_kind(default, "NetworkPolicy") == []
+    # The Service would send Prometheus to an endpoint that refuses it: said at install, not later.
+    assert "needs metricsPublic=true" in render_error(helm, {"metricsService": {"enabled": True}})
+
+    scrapers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "observability"}}}]
+    public = render(
+        helm,
+        {
+            "metricsPublic": True,
+            "httpAddress": "0.0.0.0:9400",
+            "metricsService": {"enabled": True},
+            "metricsNetworkPolicy": {"from": scrapers},
+        },
+    )
+    assert plugin_env(public)["DRA_METRICS_PUBLIC"]["value"] == "true"
+    (policy,) = of_kind(public, "NetworkPolicy")
+    (daemonset,) = of_kind(public, "DaemonSet")
+    assert policy["spec"]["podSelector"]["matchLabels"] == daemonset["spec"]["selector"]["matchLabels"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [{"from": scrapers, "ports": [{"port": 9400, "protocol": "TCP"}]}]
+    unguarded = render(helm, {"metricsPublic": True, "metricsNetworkPolicy": {"enabled": False}})
+    assert of_kind(unguarded, "NetworkPolicy") == []
