@@ -160,6 +160,32 @@ def test_install_upgrade_and_uninstall(helm: list[str], rest: RestClient, namesp
         assert_gone(rest, path)
 
 
+def test_the_webhooks_ca_and_certificate_outlive_an_upgrade(
+    helm: list[str], rest: RestClient, namespace: str
+) -> None:
+    """failurePolicy Fail (the default) while no webhook pod answers: the install still writes the
+    chart's own DeviceClasses (not sent to the webhook), and `helm upgrade` keeps the CA the API server
+    trusts and the pods' certificate (lookup), so a running webhook is never cut off."""
+    driver = "gpu.webhook-ca.example.com"
+    release = ["webhook-ca", str(CHART), "--namespace", namespace]
+    run([*helm, "install", *release, "--set", f"driverName={driver}", "--set", "webhook.enabled=true"])
+    name = "webhook-ca-dra-driver-gpu-webhook"
+    configuration = f"/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/{name}"
+    secret = f"/api/v1/namespaces/{namespace}/secrets/{name}"
+    try:
+        (hook,) = rest.get(configuration)["webhooks"]
+        assert hook["failurePolicy"] == "Fail"
+        rest.get(f"{RESOURCE_V1}/deviceclasses/{driver}")
+        before = (hook["clientConfig"]["caBundle"], rest.get(secret)["data"])
+
+        run([*helm, "upgrade", *release, "--reuse-values", "--set", "image.tag=0.2.0"])
+
+        (hook,) = rest.get(configuration)["webhooks"]
+        assert (hook["clientConfig"]["caBundle"], rest.get(secret)["data"]) == before
+    finally:
+        run([*helm, "uninstall", "webhook-ca", "--namespace", namespace])
+
+
 def assert_gone(rest: RestClient, path: str) -> None:
     with pytest.raises(ApiError) as missing:
         rest.get(path)

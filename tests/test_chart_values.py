@@ -708,3 +708,61 @@ def test_metrics_leave_the_pod_only_when_asked_and_then_behind_a_network_policy(
     assert policy["spec"]["ingress"] == [{"from": scrapers, "ports": [{"port": 9400, "protocol": "TCP"}]}]
     unguarded = render(helm, {"metricsPublic": True, "metricsNetworkPolicy": {"enabled": False}})
     assert of_kind(unguarded, "NetworkPolicy") == []
+
+
+def _webhook_objects(manifests: list[Manifest], kind: str) -> list[Manifest]:
+    return [
+        m for m in of_kind(manifests, kind) if m["metadata"]["name"].startswith("gpu-dra-driver-gpu-webhook")
+    ]
+
+
+def test_an_enabled_webhook_fails_closed_with_two_replicas_and_a_disruption_budget(helm: Path) -> None:
+    manifests = render(helm, {"webhook": {"enabled": True}})
+    (configuration,) = of_kind(manifests, "ValidatingWebhookConfiguration")
+    (hook,) = configuration["webhooks"]
+    assert hook["failurePolicy"] == "Fail"
+    (deployment,) = _webhook_objects(manifests, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    (budget,) = of_kind(manifests, "PodDisruptionBudget")
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert budget["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    spread = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    assert spread["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]["topologyKey"] == (
+        "kubernetes.io/hostname"
+    )
+    # Installed together with the webhook, before its pods answer: the chart's own DeviceClasses
+    # are not sent to it, so `helm install` does not fail closed on itself.
+    (exempt,) = hook["objectSelector"]["matchExpressions"]
+    assert exempt == {"key": "app.kubernetes.io/instance", "operator": "NotIn", "values": ["gpu"]}
+    for device_class in of_kind(manifests, "DeviceClass"):
+        assert device_class["metadata"]["labels"]["app.kubernetes.io/instance"] == "gpu"
+    one = render(helm, {"webhook": {"enabled": True, "replicas": 1}})
+    assert of_kind(one, "PodDisruptionBudget") == []  # a budget of one replica would block every drain
+
+
+def test_the_webhooks_ca_is_the_charts_secret_or_cert_managers(helm: Path) -> None:
+    own = render(helm, {"webhook": {"enabled": True}})
+    (ca,) = [s for s in of_kind(own, "Secret") if s["metadata"]["name"] == "gpu-dra-driver-gpu-webhook-ca"]
+    (hook,) = of_kind(own, "ValidatingWebhookConfiguration")[0]["webhooks"]
+    assert hook["clientConfig"]["caBundle"] == ca["data"]["tls.crt"]
+    assert of_kind(own, "Certificate") == []
+
+    managed = render(helm, {"webhook": {"enabled": True, "certManager": {"enabled": True}}})
+    assert [s for s in of_kind(managed, "Secret") if "webhook" in s["metadata"]["name"]] == []
+    (configuration,) = of_kind(managed, "ValidatingWebhookConfiguration")
+    assert "caBundle" not in configuration["webhooks"][0]["clientConfig"]
+    assert configuration["metadata"]["annotations"] == {
+        "cert-manager.io/inject-ca-from": f"{NAMESPACE}/gpu-dra-driver-gpu-webhook"
+    }
+    serving = [c for c in of_kind(managed, "Certificate") if not c["spec"].get("isCA")]
+    assert [c["spec"]["issuerRef"] for c in serving] == [
+        {"name": "gpu-dra-driver-gpu-webhook-ca", "kind": "Issuer"}
+    ]
+    assert serving[0]["spec"]["secretName"] == "gpu-dra-driver-gpu-webhook"
+
+    issuer = {"name": "cluster-ca", "kind": "ClusterIssuer"}
+    named = render(
+        helm, {"webhook": {"enabled": True, "certManager": {"enabled": True, "issuerRef": issuer}}}
+    )
+    assert [c["spec"]["issuerRef"] for c in of_kind(named, "Certificate")] == [issuer]
+    assert of_kind(named, "Issuer") == []
