@@ -5,14 +5,21 @@ PYTHON ?= .venv/bin/python
 HELM = $$(hack/build-kube.sh helm | sed -n 's/^HELM_BIN_DIR=//p')/helm
 CHART = charts/dra-driver-gpu
 
-.PHONY: help venv demo demo-real test lint unit e2e bench bench-go reliability gen gen-check kube-build mock-nvml cluster-up cluster-down cluster-status image deps e2e-versions e2e-versions-subset scale
+.PHONY: help venv lock demo demo-real test lint unit e2e bench bench-go reliability gen gen-check kube-build mock-nvml cluster-up cluster-down cluster-status image deps e2e-versions e2e-versions-subset scale
 
 ## help: list the targets
 help:
 	@grep -E '^## ' Makefile | sed 's/^## /  /'
 
-## venv: create .venv with the package and its development tools (only when pyproject.toml changed)
+## venv: create .venv with the package and its development tools, every dependency from the hashed lock
+## requirements/dev.txt (only when pyproject.toml or the lock changed)
 venv:
+	@hack/setup-venv.sh
+
+## lock: regenerate the hashed lock files requirements/runtime.txt (the image) and requirements/dev.txt
+## (make venv, CI) from pyproject.toml, keeping the pins that still fit (hack/lock.sh --upgrade: newest)
+lock: venv
+	hack/lock.sh
 	@hack/setup-venv.sh
 
 ## demo: a local control plane, the driver on a simulated DGX H100, the kubelet harness and sample claims
@@ -76,8 +83,9 @@ gen: venv
 	$(PYTHON) hack/gen-config-schema.py
 	$(PYTHON) hack/gen-config-docs.py
 
-## gen-check: fail when generated code differs from what hack/ would generate
+## gen-check: fail when generated code differs from what hack/ would generate, or the lock from pyproject.toml
 gen-check: venv
+	$(PYTHON) hack/check-lock.py
 	hack/gen-proto.sh --check
 	$(PYTHON) hack/gen-config-schema.py --check
 	$(PYTHON) hack/gen-config-docs.py --check

@@ -396,7 +396,9 @@ async def serve_node(settings: Settings, kubelet: KubeletFront, stop: asyncio.Ev
 
             # Bound first: a wrong address fails at once, and probes get answers while GPUs are read.
             metrics = Metrics()
-            status = StatusServer(settings.http_address, metrics, lambda: "starting")
+            status = StatusServer(
+                settings.http_address, metrics, lambda: "starting", metrics_public=settings.metrics_public
+            )
             await start_status_server(status, settings.http_address)
             held.push_async_callback(status.stop)
         backend = await asyncio.to_thread(

@@ -188,6 +188,14 @@ class Settings(BaseModel):
         str,
         Field(description="host:port of the /healthz, /readyz and /metrics endpoint; empty disables it."),
     ] = "0.0.0.0:8080"
+    metrics_public: Annotated[
+        bool,
+        Field(
+            description="Serve /metrics to every client that reaches http_address; false: to connections "
+            "from localhost only (kubectl port-forward), since it has no authentication and names every "
+            "prepared claim. The probes are answered either way."
+        ),
+    ] = False
     log_format: Annotated[LogFormat, Field(description="auto, json or console.")] = LogFormat.AUTO
     log_level: Annotated[str, Field(description="debug, info, warning or error.")] = "info"
     mig_partitions: Annotated[

@@ -160,6 +160,32 @@ def test_install_upgrade_and_uninstall(helm: list[str], rest: RestClient, namesp
         assert_gone(rest, path)
 
 
+def test_the_webhooks_ca_and_certificate_outlive_an_upgrade(
+    helm: list[str], rest: RestClient, namespace: str
+) -> None:
+    """failurePolicy Fail (the default) while no webhook pod answers: the install still writes the
+    chart's own DeviceClasses (not sent to the webhook), and `helm upgrade` keeps the CA the API server
+    trusts and the pods' certificate (lookup), so a running webhook is never cut off."""
+    driver = "gpu.webhook-ca.example.com"
+    release = ["webhook-ca", str(CHART), "--namespace", namespace]
+    run([*helm, "install", *release, "--set", f"driverName={driver}", "--set", "webhook.enabled=true"])
+    name = "webhook-ca-dra-driver-gpu-webhook"
+    configuration = f"/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/{name}"
+    secret = f"/api/v1/namespaces/{namespace}/secrets/{name}"
+    try:
+        (hook,) = rest.get(configuration)["webhooks"]
+        assert hook["failurePolicy"] == "Fail"
+        rest.get(f"{RESOURCE_V1}/deviceclasses/{driver}")
+        before = (hook["clientConfig"]["caBundle"], rest.get(secret)["data"])
+
+        run([*helm, "upgrade", *release, "--reuse-values", "--set", "image.tag=0.2.0"])
+
+        (hook,) = rest.get(configuration)["webhooks"]
+        assert (hook["clientConfig"]["caBundle"], rest.get(secret)["data"]) == before
+    finally:
+        run([*helm, "uninstall", "webhook-ca", "--namespace", namespace])
+
+
 def assert_gone(rest: RestClient, path: str) -> None:
     with pytest.raises(ApiError) as missing:
         rest.get(path)
@@ -393,7 +419,8 @@ def entrypoint() -> list[str]:
 @pytest.fixture(scope="module")
 def installed_entrypoint(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """The image's entry point, from the wheel built and installed into a clean virtualenv as the
-    Dockerfile does it: only the files it copies, `pip wheel`, then `pip install` of that wheel."""
+    Dockerfile does it: only the files it copies, `pip wheel`, the lock's dependencies with their
+    hashes required, then that wheel without dependencies."""
     base = tmp_path_factory.mktemp("image")
     context = base / "src"
     for source in build_inputs():
@@ -401,14 +428,16 @@ def installed_entrypoint(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
         if origin.is_dir():
             shutil.copytree(origin, context / source, ignore=shutil.ignore_patterns("__pycache__"))
         else:
-            context.mkdir(exist_ok=True)
+            (context / source).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(origin, context / source)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet"]
     run([*pip, "wheel", "--no-deps", "--wheel-dir", str(base / "wheels"), str(context)])
     (wheel,) = (base / "wheels").glob("*.whl")
     run([sys.executable, "-m", "venv", str(base / "venv")])
     venv_pip = [str(base / "venv" / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", "--quiet"]
-    run([*venv_pip, "install", str(wheel)])
+    (lock,) = [source for source in build_inputs() if source.startswith("requirements/")]
+    run([*venv_pip, "install", "--require-hashes", "--no-deps", "-r", str(context / lock)])
+    run([*venv_pip, "install", "--no-deps", str(wheel)])
     program, *arguments = entrypoint()
     return [str(base / "venv" / "bin" / program), *arguments]
 

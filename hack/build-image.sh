@@ -3,8 +3,9 @@
 #
 # Usage: hack/build-image.sh [--output-dir DIR] [--tag TAG] [IMAGE...]
 #   IMAGE (default: all three)
-#     driver    the kubelet plugin: Debian's Python, the wheel's dependencies at the versions .venv
-#               runs the tests with, and the project's wheel; entry point `dra-driver kubelet-plugin`
+#     driver    the kubelet plugin: Debian's Python, the wheel's dependencies from the hashed lock
+#               requirements/runtime.txt (the versions the tests run with), and the project's wheel;
+#               entry point `dra-driver kubelet-plugin`
 #     pause     the pod sandbox: a busybox shell that sleeps until it is stopped
 #     workload  a shell and coreutils (busybox), for test pods that print what they see
 #   --output-dir  where IMAGE.oci.tar goes (default: _output/images)
@@ -18,6 +19,14 @@
 # file system, whose result -- Debian plus the Python dependencies, the slow part -- is cached in
 # $DRA_CACHE_DIR/images keyed by everything it is made from, so a warm build only adds the wheel.
 # Needs root (mmdebstrap's root mode, chroot, files owned by root in the image).
+#
+# What went in is recorded for audit: the driver image holds /usr/share/dra-driver-gpu/packages.txt,
+# every Debian package with its version and the Python lock it was installed from, whose sha256 its
+# manifest carries as annotations (dev.dra-driver.packages.sha256, dev.dra-driver.python-lock.sha256)
+# next to the Debian suite and the date of the Debian release it was built from. The same list is
+# written beside the archive (driver.packages.txt) and compared with the committed one,
+# hack/image/driver-packages.txt: a difference (a Debian point release, a new lock) is shown, to be
+# reviewed and committed.
 set -euo pipefail
 shopt -s inherit_errexit
 
@@ -27,9 +36,15 @@ readonly REPO_ROOT="$(dirname "$HACK_DIR")"
 source "$HACK_DIR/versions.env"
 
 # Bump when the recipe of the cached driver base changes.
-readonly RECIPE_REVISION=2
+readonly RECIPE_REVISION=3
 readonly DRIVER_PACKAGES=python3,python3-venv
 readonly VENV=/opt/dra-driver
+readonly LOCK=$REPO_ROOT/requirements/runtime.txt
+readonly AUDITED_PACKAGES=$REPO_ROOT/hack/image/driver-packages.txt
+# Inside the image: what it was built from.
+readonly RECORD_DIR=/usr/share/dra-driver-gpu
+# Debian $DEBIAN_SUITE's Python, which the lock's wheels are downloaded for.
+readonly IMAGE_PYTHON_VERSION=3.11
 readonly PYTHON=${PYTHON_FOR_IMAGE:-$REPO_ROOT/.venv/bin/python}
 # Commands inside the image's root file system get a clean environment: none of this machine's
 # PIP_* or proxy settings, which name paths that do not exist there.
@@ -115,34 +130,23 @@ busybox_image() {
   write_archive "$layout" "$output_dir/$name.oci.tar"
 }
 
-# Runtime dependencies pinned to the versions .venv has (what the tests ran with).
-driver_requirements() {
-  "$PYTHON" - <<'EOF'
-import importlib.metadata as md
-import re
-seen, todo, pins = set(), ["dra-driver-gpu"], []
-while todo:
-    name = todo.pop()
-    dist = md.distribution(name)
-    for requirement in dist.requires or []:
-        if "extra ==" in requirement:
-            continue
-        marker = requirement.split(";", 1)[1] if ";" in requirement else ""
-        if marker:
-            from packaging.markers import Marker
-            if not Marker(marker).evaluate():
-                continue
-        dependency = re.split(r"[ <>=!~;\[(]", requirement, maxsplit=1)[0].lower().replace("_", "-")
-        if dependency not in seen:
-            seen.add(dependency)
-            todo.append(dependency)
-            pins.append(f"{dependency}=={md.version(dependency)}")
-print("\n".join(sorted(pins)))
-EOF
+# record_packages ROOTFS RELEASE_DATE LOCK: ROOTFS$RECORD_DIR/packages.txt, what the image is made of:
+# the Debian suite and the date of its release, every Debian package with its version, and every
+# Python package with the version the lock pinned (and pip checked the hash of).
+record_packages() {
+  local rootfs=$1 release_date=$2 lock=$3
+  mkdir -p "$rootfs$RECORD_DIR"
+  {
+    printf '# Debian %s from %s, release of %s\n' "$DEBIAN_SUITE" "$DEBIAN_MIRROR" "$release_date"
+    chroot "$rootfs" $CLEAN_ENV dpkg-query -W -f='deb ${Package}=${Version}\n' | LC_ALL=C sort
+    printf '# Python packages of %s, from requirements/runtime.txt\n' "$VENV"
+    sed -n 's/^\([A-Za-z0-9][A-Za-z0-9._-]*==[^ ;\\]*\).*/pypi \1/p' "$lock" | LC_ALL=C sort
+  } >"$rootfs$RECORD_DIR/packages.txt"
 }
 
 # The driver's base layout: Debian $DEBIAN_SUITE with Python and a virtualenv holding the wheel's
-# dependencies. Cached by a digest of the recipe, the suite, the packages and the pins.
+# dependencies, and the record of both. Cached by a digest of the recipe, the suite, the packages
+# and the lock.
 driver_base() {
   local requirements=$1 key base
   key=$( {
@@ -157,8 +161,10 @@ driver_base() {
   fi
   log "==> driver base: Debian $DEBIAN_SUITE + $DRIVER_PACKAGES + the wheel's dependencies (cached in $base)"
   local layout=$WORK/base-layout bundle=$WORK/base-bundle wheels=$WORK/wheels
-  "$PYTHON" -m pip download --quiet --only-binary=:all: --dest "$wheels" -r "$requirements" >&2 ||
-    die "pip could not download the driver's dependencies (listed in $requirements); check that PyPI is reachable"
+  # Every file's sha256 is checked against the lock, here and again when the image installs it.
+  "$PYTHON" -m pip download --quiet --require-hashes --no-deps --only-binary=:all: \
+    --python-version "$IMAGE_PYTHON_VERSION" --dest "$wheels" -r "$requirements" >&2 ||
+    die "pip could not download the driver's dependencies (locked in $requirements); check that PyPI is reachable"
   cp "$requirements" "$wheels/requirements.txt"
   umoci init --layout "$layout"
   umoci new --image "$layout:base"
@@ -171,10 +177,12 @@ driver_base() {
     --dpkgopt='path-exclude=/usr/share/locale/*' \
     --customize-hook="copy-in $wheels /tmp" \
     --customize-hook="chroot \"\$1\" $CLEAN_ENV python3 -m venv $VENV" \
-    --customize-hook="chroot \"\$1\" $CLEAN_ENV $VENV/bin/pip install --quiet --no-index --find-links /tmp/wheels -r /tmp/wheels/requirements.txt" \
+    --customize-hook="chroot \"\$1\" $CLEAN_ENV $VENV/bin/pip install --quiet --require-hashes --no-deps --no-index --find-links /tmp/wheels -r /tmp/wheels/requirements.txt" \
+    --customize-hook="sed -n 's/^Date: //p' \"\$1\"/var/lib/apt/lists/*_InRelease | head -n1 >$WORK/debian-release-date" \
     --customize-hook='rm -rf "$1/tmp/wheels" "$1/root/.cache"' \
     "$DEBIAN_SUITE" "$bundle/rootfs" "$DEBIAN_MIRROR" >&2 ||
     die "mmdebstrap could not build the Debian root file system ($DEBIAN_SUITE from $DEBIAN_MIRROR); its error is above"
+  record_packages "$bundle/rootfs" "$(cat "$WORK/debian-release-date")" "$requirements"
   umoci repack --image "$layout:base" "$bundle"
   mkdir -p "$(dirname "$base")"
   rm -rf "$base.partial"
@@ -187,9 +195,8 @@ driver_base() {
 driver_image() {
   log "==> image driver:$tag (the project's wheel on Debian $DEBIAN_SUITE)"
   [[ -x $PYTHON ]] || die "no $PYTHON; run make venv first"
-  local requirements=$WORK/requirements.txt base layout=$WORK/driver-layout bundle=$WORK/driver-bundle
-  driver_requirements >"$requirements" || die "could not read the driver's dependencies from .venv; run make venv"
-  base=$(driver_base "$requirements")
+  local base layout=$WORK/driver-layout bundle=$WORK/driver-bundle record
+  base=$(driver_base "$LOCK")
   # Only the wheel's files: what pyproject.toml packages, as `pip wheel` builds it.
   "$PYTHON" -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir "$WORK/wheel" "$REPO_ROOT" >&2 ||
     die "pip could not build the project's wheel; its error is above"
@@ -198,6 +205,8 @@ driver_image() {
   cp "$WORK"/wheel/*.whl "$bundle/rootfs/tmp/"
   chroot "$bundle/rootfs" $CLEAN_ENV /bin/sh -c "$VENV/bin/pip install --quiet --no-index --no-deps /tmp/*.whl && rm -f /tmp/*.whl"
   rm -rf "$bundle/rootfs/root/.cache"
+  record=$WORK/driver.packages.txt
+  cp "$bundle/rootfs$RECORD_DIR/packages.txt" "$record"
   umoci repack --image "$layout:$tag" "$bundle"
   umoci rm --image "$layout:base"
   # Runs as root: the plugin's pod is privileged, to use NVML, create MIG devices and write into
@@ -208,8 +217,30 @@ driver_image() {
     --config.env PYTHONUNBUFFERED=1 --config.workingdir / --author dra-driver-gpu \
     --config.label "org.opencontainers.image.title=dra-driver-gpu" \
     --config.label "org.opencontainers.image.version=$tag" \
-    --config.label "org.opencontainers.image.licenses=Apache-2.0"
+    --config.label "org.opencontainers.image.licenses=Apache-2.0" \
+    --manifest.annotation "dev.dra-driver.debian.suite=$DEBIAN_SUITE" \
+    --manifest.annotation "dev.dra-driver.debian.release-date=$(sed -n '1s/.*, release of //p' "$record")" \
+    --manifest.annotation "dev.dra-driver.packages.sha256=$(sha256sum <"$record" | cut -d' ' -f1)" \
+    --manifest.annotation "dev.dra-driver.python-lock.sha256=$(sha256sum <"$LOCK" | cut -d' ' -f1)"
   write_archive "$layout" "$output_dir/driver.oci.tar"
+  cp "$record" "$output_dir/driver.packages.txt"
+  compare_with_audited "$output_dir/driver.packages.txt"
+}
+
+# The packages of the image just built against the list last reviewed and committed: a Debian point
+# release or a new lock changes them, and the change is shown here for review, not hidden.
+compare_with_audited() {
+  local built=$1
+  if [[ ! -f $AUDITED_PACKAGES ]]; then
+    log "    no audited package list yet: review $built and commit it as ${AUDITED_PACKAGES#"$REPO_ROOT/"}"
+  elif ! diff -u --label "${AUDITED_PACKAGES#"$REPO_ROOT/"}" --label "$built" \
+    <(grep -v '^#' "$AUDITED_PACKAGES") <(grep -v '^#' "$built") >"$WORK/packages.diff"; then
+    log "    warning: the image's packages differ from the audited ${AUDITED_PACKAGES#"$REPO_ROOT/"}:"
+    sed 's/^/      /' "$WORK/packages.diff" >&2
+    log "    review the difference, then: cp $built ${AUDITED_PACKAGES#"$REPO_ROOT/"}"
+  else
+    log "    packages as audited in ${AUDITED_PACKAGES#"$REPO_ROOT/"} (sha256 in the manifest's annotations)"
+  fi
 }
 
 for image in "${images[@]}"; do

@@ -197,11 +197,13 @@ def switched_on(helm: Path) -> tuple[dict[str, Any], list[Manifest]]:
     return values, render(helm, values)
 
 
-# Values whose effect shows only in another release namespace; each has a test of its own.
+# Values whose effect shows only in another release namespace, or that cannot be switched off alone
+# while every switch is on; each has a test of its own.
 NAMESPACE_DEPENDENT = {"allowDefaultNamespace": "test_the_default_namespace_is_refused_unless_allowed"}
+OWN_TEST = {"metricsPublic": "test_metrics_leave_the_pod_only_when_asked_and_then_behind_a_network_policy"}
 
 
-@pytest.mark.parametrize("path", [path for path in LEAVES if path not in NAMESPACE_DEPENDENT])
+@pytest.mark.parametrize("path", [path for path in LEAVES if path not in {**NAMESPACE_DEPENDENT, **OWN_TEST}])
 def test_every_value_changes_what_is_deployed(
     helm: Path, path: str, switched_on: tuple[dict[str, Any], list[Manifest]]
 ) -> None:
@@ -712,3 +714,114 @@ def test_the_webhook_may_only_read_slices_and_classes_with_an_account_of_its_own
         for s in b["subjects"]
     ]
     assert sum(s["name"] == account for s in bound) == 1
+
+
+def test_an_image_digest_pins_every_container_of_the_driver(helm: Path) -> None:
+    """image.digest set: the plugin, the webhook, the compute-domain controller and the MPS daemons
+    (the plugin's own image by default) all run repository@digest; the tag is not used."""
+    digest = "sha256:" + "ab" * 32
+    values = {
+        "image": {"repository": "registry.example.com/gpu", "tag": "moved", "digest": digest},
+        "webhook": {"enabled": True},
+    }
+    manifests = render(helm, values)
+    images = {
+        container["image"]
+        for manifest in manifests
+        if manifest["kind"] in ("DaemonSet", "Deployment")
+        for container in manifest["spec"]["template"]["spec"]["containers"]
+    }
+    mps_image = plugin_env(manifests)["DRA_MPS_DAEMON_IMAGE"]["value"]
+    assert images | {mps_image} == {f"registry.example.com/gpu@{digest}"}
+    assert len(of_kind(manifests, "Deployment")) == 2  # the webhook and the compute-domain controller
+    with_tag = render(helm, {"image": {"repository": "registry.example.com/gpu", "tag": "moved"}})
+    assert pod_spec(with_tag)["containers"][0]["image"] == "registry.example.com/gpu:moved"
+
+
+def test_an_image_digest_that_is_not_sha256_is_refused(helm: Path) -> None:
+    assert "digest" in render_error(helm, {"image": {"digest": "latest"}})
+
+
+def test_metrics_leave_the_pod_only_when_asked_and_then_behind_a_network_policy(helm: Path) -> None:
+    default = render(helm)
+    assert plugin_env(default)["DRA_METRICS_PUBLIC"]["value"] == "false"
+    assert of_kind(default, "NetworkPolicy") == []
+    # The Service would send Prometheus to an endpoint that refuses it: said at install, not later.
+    assert "needs metricsPublic=true" in render_error(helm, {"metricsService": {"enabled": True}})
+
+    scrapers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "observability"}}}]
+    public = render(
+        helm,
+        {
+            "metricsPublic": True,
+            "httpAddress": "0.0.0.0:9400",
+            "metricsService": {"enabled": True},
+            "metricsNetworkPolicy": {"from": scrapers},
+        },
+    )
+    assert plugin_env(public)["DRA_METRICS_PUBLIC"]["value"] == "true"
+    (policy,) = of_kind(public, "NetworkPolicy")
+    (daemonset,) = of_kind(public, "DaemonSet")
+    assert policy["spec"]["podSelector"]["matchLabels"] == daemonset["spec"]["selector"]["matchLabels"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [{"from": scrapers, "ports": [{"port": 9400, "protocol": "TCP"}]}]
+    unguarded = render(helm, {"metricsPublic": True, "metricsNetworkPolicy": {"enabled": False}})
+    assert of_kind(unguarded, "NetworkPolicy") == []
+
+
+def _webhook_objects(manifests: list[Manifest], kind: str) -> list[Manifest]:
+    return [
+        m for m in of_kind(manifests, kind) if m["metadata"]["name"].startswith("gpu-dra-driver-gpu-webhook")
+    ]
+
+
+def test_an_enabled_webhook_fails_closed_with_two_replicas_and_a_disruption_budget(helm: Path) -> None:
+    manifests = render(helm, {"webhook": {"enabled": True}})
+    (configuration,) = of_kind(manifests, "ValidatingWebhookConfiguration")
+    (hook,) = configuration["webhooks"]
+    assert hook["failurePolicy"] == "Fail"
+    (deployment,) = _webhook_objects(manifests, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    (budget,) = of_kind(manifests, "PodDisruptionBudget")
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert budget["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    spread = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    assert spread["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]["topologyKey"] == (
+        "kubernetes.io/hostname"
+    )
+    # Installed together with the webhook, before its pods answer: the chart's own DeviceClasses
+    # are not sent to it, so `helm install` does not fail closed on itself.
+    (exempt,) = hook["objectSelector"]["matchExpressions"]
+    assert exempt == {"key": "app.kubernetes.io/instance", "operator": "NotIn", "values": ["gpu"]}
+    for device_class in of_kind(manifests, "DeviceClass"):
+        assert device_class["metadata"]["labels"]["app.kubernetes.io/instance"] == "gpu"
+    one = render(helm, {"webhook": {"enabled": True, "replicas": 1}})
+    assert of_kind(one, "PodDisruptionBudget") == []  # a budget of one replica would block every drain
+
+
+def test_the_webhooks_ca_is_the_charts_secret_or_cert_managers(helm: Path) -> None:
+    own = render(helm, {"webhook": {"enabled": True}})
+    (ca,) = [s for s in of_kind(own, "Secret") if s["metadata"]["name"] == "gpu-dra-driver-gpu-webhook-ca"]
+    (hook,) = of_kind(own, "ValidatingWebhookConfiguration")[0]["webhooks"]
+    assert hook["clientConfig"]["caBundle"] == ca["data"]["tls.crt"]
+    assert of_kind(own, "Certificate") == []
+
+    managed = render(helm, {"webhook": {"enabled": True, "certManager": {"enabled": True}}})
+    assert [s for s in of_kind(managed, "Secret") if "webhook" in s["metadata"]["name"]] == []
+    (configuration,) = of_kind(managed, "ValidatingWebhookConfiguration")
+    assert "caBundle" not in configuration["webhooks"][0]["clientConfig"]
+    assert configuration["metadata"]["annotations"] == {
+        "cert-manager.io/inject-ca-from": f"{NAMESPACE}/gpu-dra-driver-gpu-webhook"
+    }
+    serving = [c for c in of_kind(managed, "Certificate") if not c["spec"].get("isCA")]
+    assert [c["spec"]["issuerRef"] for c in serving] == [
+        {"name": "gpu-dra-driver-gpu-webhook-ca", "kind": "Issuer"}
+    ]
+    assert serving[0]["spec"]["secretName"] == "gpu-dra-driver-gpu-webhook"
+
+    issuer = {"name": "cluster-ca", "kind": "ClusterIssuer"}
+    named = render(
+        helm, {"webhook": {"enabled": True, "certManager": {"enabled": True, "issuerRef": issuer}}}
+    )
+    assert [c["spec"]["issuerRef"] for c in of_kind(named, "Certificate")] == [issuer]
+    assert of_kind(named, "Issuer") == []

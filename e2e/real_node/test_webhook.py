@@ -1,7 +1,7 @@
 """The chart's admission webhook on the real node (webhook.enabled=true), as a user meets it: `kubectl
 apply` of a claim with a misspelt opaque config is refused with the message prepare gives, and while
-the webhook is down (failurePolicy Ignore, the chart's default) the same claim is created and its
-pod's prepare fails with that message.
+the webhook is down (failurePolicy Ignore, set here; the chart's default is Fail) the same claim is
+created and its pod's prepare fails with that message.
 
 Real here: the chart's Secret (its self-signed certificate, made by Helm at install; no
 cert-manager), Deployment, Service and ValidatingWebhookConfiguration; the webhook pod in containerd,
@@ -53,7 +53,8 @@ def checked(real_cluster: ClusterInfo, real_node: RealNode, helm: Path) -> Itera
     release = DriverRelease(real_cluster, real_node, helm, chart_app_version())
     release.helm_run(
         "install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--create-namespace", *release.values(),
-        "--set", "webhook.enabled=true",
+        "--set", "webhook.enabled=true", "--set", "webhook.failurePolicy=Ignore",
+        "--set", "webhook.replicas=1",
     )  # fmt: skip
     try:
         release.wait_ready()

@@ -62,6 +62,18 @@ does not start with "gpu." gets "mig." in front.
 {{- .Values.deviceClasses.mig.name | default (printf "mig.%s" (trimPrefix "gpu." .Values.driverName)) -}}
 {{- end -}}
 
+{{/*
+The driver's image: repository@digest when image.digest is set (the image exactly as built and
+reviewed, whatever the tag points at later), else repository:tag.
+*/}}
+{{- define "dra-driver-gpu.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "dra-driver-gpu.httpPort" -}}
 {{- regexFind "[0-9]+$" .Values.httpAddress -}}
 {{- end -}}
