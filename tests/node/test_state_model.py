@@ -28,8 +28,9 @@ A crash is simulated in this process: at the chosen crash point the machine copi
 SIGKILL would leave (state, CDI specs, the simulated GPUs), raises :class:`Crash`, which nothing
 in the driver catches, and puts back those copies once the dying call has unwound, so whatever an
 ``except BaseException`` undid after the crash point is undone again; whatever else it had running
-is cancelled while every crash point still raises. The crashed instance is never called again. (MPS daemons are processes and survive a real SIGKILL; an in-process crash
-may stop them while unwinding, which the driver must cope with too.)
+is cancelled while every crash point still raises. The crashed instance is never called again.
+(MPS daemons are processes and survive a real SIGKILL; an in-process crash may stop them while
+unwinding, which the driver must cope with too.)
 
 Compute-domain channels are not prepared here (the compute-domain plugin does), so they are not
 among the kinds. ``e2e/reliability`` runs this machine with many more examples (``make
