@@ -386,6 +386,82 @@ def test_a_two_node_domain_runs_its_job_on_one_clique_and_cleans_up(rack: Rack, 
         )
 
 
+def _channel_domain(name: str, mode: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "ComputeDomain",
+        "metadata": {"name": name},
+        "spec": {
+            "numNodes": 2,
+            "channel": {"resourceClaimTemplate": {"name": f"{name}-channel"}, "allocationMode": mode},
+        },
+    }
+
+
+def _workers(name: str) -> dict[str, Any]:
+    """A two-worker Job in domain `name`, as multi-node-job.yaml is in its domain."""
+    (job,) = manifests.load(EXAMPLES / "multi-node-job.yaml")
+    job["metadata"]["name"] = name
+    template = job["spec"]["template"]
+    template["metadata"]["labels"] = {"app": name}
+    (claim,) = template["spec"]["resourceClaims"]
+    claim["resourceClaimTemplateName"] = f"{name}-channel"
+    return dict(job)
+
+
+def test_two_domains_created_together_get_a_clique_each_and_both_run(rack: Rack, namespace: str) -> None:
+    """NVIDIA's two channel modes, Single and All, in one apply: before any workload has labelled a
+    node, the second domain must still see the first one's clique as taken."""
+    rest = rack.rest
+    names = ("cd-single", "cd-all")
+    for name, mode in (("cd-single", "Single"), ("cd-all", "All")):  # one apply: back to back
+        rest.create(domains_path(namespace), _channel_domain(name, mode))
+    pinned = {}
+    for name in names:
+        template = rest.wait_for(
+            f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates",
+            f"{name}-channel",
+            lambda _: True,
+        )
+        pinned[name] = template["metadata"]["annotations"]["resource.nvidia.com/clique"]
+    assert sorted(pinned.values()) == sorted({rack.clique_of(n) for n in CLIQUES})
+
+    for name in names:
+        rest.create(f"/apis/batch/v1/namespaces/{namespace}/jobs", _workers(name))
+
+    def all_running() -> dict[str, set[str]]:
+        hosts = {
+            name: {
+                p["spec"]["nodeName"]
+                for p in _pods(rest, namespace, f"app={name}")
+                if p["status"].get("phase") == "Running"
+            }
+            for name in names
+        }
+        return hosts if all(len(h) == 2 for h in hosts.values()) else {}
+
+    hosts = wait(all_running, timeout=180, what="both workers of both domains running")
+    for name in names:
+        assert {rack.clique_of(h) for h in hosts[name]} == {pinned[name]}
+    for name in names:
+        wait(
+            lambda name=name: _domain(rest, namespace, name).get("status", {}).get("status") == "Ready",
+            timeout=90,
+            what=f"{name} to become Ready",
+        )
+
+    for name in names:
+        rest.request(
+            "DELETE",
+            f"/apis/batch/v1/namespaces/{namespace}/jobs/{name}",
+            {"propagationPolicy": "Background"},
+        )
+        rest.delete(domains_path(namespace, name))
+    wait(lambda: not rest.request("GET", domains_path(namespace))["items"], timeout=180, what="deletion")
+    wait(lambda: not _labelled_nodes(rest), timeout=60, what="the node labels to go")
+    wait(lambda: not rack.runner.running_on(), timeout=60, what="the IMEX daemons to stop")
+
+
 def test_a_node_without_fabric_info_serves_its_gpus_but_no_compute_domains(rack: Rack) -> None:
     node = rack.nodes[NO_FABRIC_NODE]
     slices = rack.rest.request(

@@ -9,7 +9,10 @@ Reconciling a domain (see :mod:`dra_driver.computedomain.objects` for the object
 
 1. add the finalizer, so deletion waits for the clean-up below;
 2. pick an NVLink clique with room for ``numNodes`` nodes (once: the channel template pins it), or
-   say in the status why none fits (no fabric, domain larger than every clique);
+   say in the status why none fits (no fabric, domain larger than every clique, cliques taken). What
+   is taken comes from the controller's own record of the cliques it gave to domains (rebuilt from
+   the channel templates when it starts to lead), not only from the node labels, which appear only
+   once a workload lands: two domains created together get a clique each;
 3. create the daemon's ResourceClaimTemplate and DaemonSet and the workload channel's
    ResourceClaimTemplate, re-creating any that was removed;
 4. copy the daemons' entries of the domain's ComputeDomainCliques into ``status.nodes``, after
@@ -47,6 +50,7 @@ from dra_driver.computedomain.api import (
     parse_compute_domain,
 )
 from dra_driver.computedomain.objects import (
+    Placement,
     channel_template,
     choose_clique,
     condition,
@@ -70,6 +74,8 @@ log = structlog.get_logger(__name__)
 READY = "Ready"
 _CLIQUE_WAIT_S = 30.0  # a domain waiting for a clique looks again this often (slices wake it too)
 _DELETE_POLL_S = 2.0
+_RECALL_RETRY_S = 0.5  # doubling up to the cap while the API server cannot list the domains
+_RECALL_RETRY_MAX_S = 10.0
 
 
 def _now() -> str:
@@ -98,12 +104,16 @@ class ComputeDomainController:
         self.queue = WorkQueue()
         self._keys: dict[str, str] = {}  # domain uid -> namespace/name
         self._not_ready_since: dict[tuple[str, str], float] = {}  # (uid, node) -> monotonic time
+        # The record of placement, by domain uid: written in the same step as the choice (no await
+        # between them), so a worker placing another domain next already counts this one.
+        self.placed: dict[str, Placement] = {}
         self._cd_path = f"/apis/{self.names.api_version}/{PLURAL}"
         self._cliques_path = f"/apis/{self.names.api_version}/namespaces/{namespace}/{CLIQUE_PLURAL}"
 
     # --- the loops ---------------------------------------------------------------------------------
 
     async def run(self) -> None:
+        await self.recall_placements()
         loops: list[Coroutine[Any, Any, None]] = [
             list_and_watch(self._kube, self._cd_path, self._on_domain, resync_seconds=self._resync),
             list_and_watch(
@@ -143,12 +153,42 @@ class ComputeDomainController:
         finally:
             self.queue.close()
 
+    async def recall_placements(self) -> None:
+        """Rebuild the record of placement from the channel templates of the domains there are.
+
+        Before any worker runs: a new leader (or a restarted one) must not place a new domain on a
+        clique that an existing domain holds while that domain's workload has not landed yet. An API
+        server that cannot answer yet (starting, its storage initializing) is asked again.
+        """
+        delay = _RECALL_RETRY_S
+        while True:
+            try:
+                placed: dict[str, Placement] = {}
+                listed = await self._kube.list(self._cd_path)
+                for obj in listed.get("items") or []:
+                    try:
+                        domain = parse_compute_domain(obj)
+                    except InvalidComputeDomain:
+                        continue  # never placed
+                    template = await self._kube.get(self._template_path(domain))
+                    clique = self._pinned_clique(domain, template)
+                    if clique:
+                        placed[domain.metadata.uid] = Placement.of(domain, clique)
+                break
+            except Exception as error:  # an outage: ask again, as the watches do
+                log.warning("cannot recall placements yet", error=str(error) or type(error).__name__)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _RECALL_RETRY_MAX_S)
+        self.placed = placed
+        log.info("placements recalled", domains=len(placed))
+
     def _on_domain(self, kind: str, obj: Json) -> None:
         meta = obj.get("metadata") or {}
         key = f"{meta.get('namespace')}/{meta.get('name')}"
         if meta.get("uid"):
             if kind == "DELETED":
                 self._keys.pop(meta["uid"], None)
+                self._release(meta["uid"])
             else:
                 self._keys[meta["uid"]] = key
         self.queue.add(key)
@@ -222,21 +262,22 @@ class ComputeDomainController:
                 )
                 await self._set_status(path, obj, domain, "TemplateNameTaken", message, False)
                 return None
-            clique = str(
-                ((template.get("metadata") or {}).get("annotations") or {}).get(
-                    f"{self.names.group}/clique", ""
-                )
-            )
+            clique = self._pinned_clique(domain, template)
+            if clique:
+                self.placed[domain.metadata.uid] = Placement.of(domain, clique)
         else:
             slices = await self._kube.list(
                 "/apis/resource.k8s.io/v1/resourceslices", fieldSelector=f"spec.driver={self.names.driver}"
             )
             busy = await self._busy_nodes()
-            choice = choose_clique(domain, fabric_from_slices(self.names, slices.get("items") or []), busy)
+            fabric = fabric_from_slices(self.names, slices.get("items") or [])
+            # No await from here to the record: another worker's choice sees this one.
+            choice = choose_clique(domain, fabric, self.placed, busy)
             if not choice.clique:
                 await self._set_status(path, obj, domain, choice.reason, choice.message, False)
                 return _CLIQUE_WAIT_S
             clique = choice.clique
+            self.placed[domain.metadata.uid] = Placement.of(domain, clique)
 
         await self._ensure(
             self._daemon_template_path(domain), daemon_template(self.names, domain, self._namespace, clique)
@@ -314,10 +355,26 @@ class ComputeDomainController:
         )
         for key in [k for k in self._not_ready_since if k[0] == domain.metadata.uid]:
             del self._not_ready_since[key]
+        self._release(domain.metadata.uid)
         log.info("ComputeDomain cleaned up", domain=f"{domain.metadata.namespace}/{domain.metadata.name}")
         return None
 
     # --- helpers -----------------------------------------------------------------------------------
+
+    def _pinned_clique(self, domain: ComputeDomain, template: Json | None) -> str:
+        """The clique the domain's channel template pins ("" if there is none of the domain's)."""
+        meta = (template or {}).get("metadata") or {}
+        if (meta.get("labels") or {}).get(self.names.label) != domain.metadata.uid:
+            return ""
+        return str((meta.get("annotations") or {}).get(f"{self.names.group}/clique", ""))
+
+    def _release(self, uid: str) -> None:
+        """The domain's clique is free again: the domains waiting for one look at once."""
+        if self.placed.pop(uid, None) is None:
+            return
+        for other, key in self._keys.items():
+            if other != uid and other not in self.placed:
+                self.queue.add(key)
 
     def _template_path(self, domain: ComputeDomain) -> str:
         name = domain.spec.channel.resource_claim_template.name

@@ -10,7 +10,9 @@ For a domain the controller creates, as NVIDIA's controller does:
   prepares one of the domain's channels -- so a daemon runs exactly where the workload landed.
 
 The clique is chosen once, when the channel template is created, and pinned by that template's CEL
-selector: every workload pod of the domain lands on one NVLink clique.
+selector: every workload pod of the domain lands on one NVLink clique. Which nodes of a clique are
+free is judged from the controller's record of the domains it placed (:class:`Placement`) as well
+as from the nodes' labels, which lag: a domain holds its nodes before its workload lands.
 """
 
 from __future__ import annotations
@@ -197,16 +199,61 @@ def fabric_from_slices(names: Names, slices: Iterable[Json]) -> Fabric:
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where the controller placed a domain: its clique, and how many of the clique's nodes it holds
+    (``numNodes``, at least one: a domain of any size holds one node before its workload lands)."""
+
+    clique: str
+    nodes: int
+
+    @staticmethod
+    def of(domain: ComputeDomain, clique: str) -> Placement:
+        return Placement(clique, max(domain.spec.num_nodes, 1))
+
+
+@dataclass(frozen=True)
 class Choice:
     clique: str = ""
     reason: str = ""  # the condition reason when no clique fits
     message: str = ""
 
 
-def choose_clique(domain: ComputeDomain, fabric: Fabric, busy_nodes: Mapping[str, str]) -> Choice:
-    """The clique with the most nodes not serving another domain, if it has room for ``numNodes``.
+def free_nodes(
+    uid: str, fabric: Fabric, placed: Mapping[str, Placement], busy_nodes: Mapping[str, str]
+) -> dict[str, int]:
+    """Per clique, the nodes not held by a domain other than ``uid``.
 
-    ``busy_nodes`` maps a node to the UID of the domain it serves now.
+    A placed domain holds ``numNodes`` nodes of its clique from the moment it is placed, or more
+    once more of them serve it (``numNodes`` 0); a node serving any other domain is held, known to
+    the record or not. The node labels alone would not do: they appear only once a workload lands, so
+    two domains created together would both see every node free.
+    """
+    serving: dict[str, set[str]] = {}
+    for node, owner in busy_nodes.items():
+        if owner != uid:
+            serving.setdefault(owner, set()).add(node)
+    free = {}
+    for clique, nodes in fabric.cliques.items():
+        held = 0
+        for labelled in serving.values():
+            held += len(labelled & nodes)
+        for owner, place in placed.items():
+            if owner != uid and place.clique == clique:
+                held += max(place.nodes - len(serving.get(owner, set()) & nodes), 0)
+        free[clique] = max(len(nodes) - held, 0)
+    return free
+
+
+def choose_clique(
+    domain: ComputeDomain,
+    fabric: Fabric,
+    placed: Mapping[str, Placement],
+    busy_nodes: Mapping[str, str],
+) -> Choice:
+    """The clique with the most free nodes (see :func:`free_nodes`), if it has room for ``numNodes``.
+
+    ``placed`` is the controller's record of the domains it placed (by UID); ``busy_nodes`` maps a
+    node to the UID of the domain it serves now.
     """
     if not fabric.cliques:
         return Choice(
@@ -214,12 +261,8 @@ def choose_clique(domain: ComputeDomain, fabric: Fabric, busy_nodes: Mapping[str
             message="no node reports NVLink fabric info (cluster UUID and clique id): no node can join "
             "a ComputeDomain. Nodes need GPUs of a multi-node NVLink system (e.g. GB200 NVL72).",
         )
-    uid = domain.metadata.uid
-
-    def free(clique: str) -> int:
-        return sum(1 for node in fabric.cliques[clique] if busy_nodes.get(node, uid) == uid)
-
-    best = max(sorted(fabric.cliques), key=free)
+    free = free_nodes(domain.metadata.uid, fabric, placed, busy_nodes)
+    best = max(sorted(fabric.cliques), key=lambda clique: free[clique])
     wanted = domain.spec.num_nodes
     largest = max(len(nodes) for nodes in fabric.cliques.values())
     if wanted > largest:
@@ -228,11 +271,11 @@ def choose_clique(domain: ComputeDomain, fabric: Fabric, busy_nodes: Mapping[str
             message=f"numNodes {wanted} is larger than every NVLink clique: the largest has {largest} "
             f"node(s); {len(fabric.cliques)} clique(s) known",
         )
-    if wanted > free(best):
+    if wanted > free[best]:
         return Choice(
             reason="CliqueBusy",
             message=f"no NVLink clique has {wanted} node(s) free of other ComputeDomains (at most "
-            f"{free(best)}); waiting",
+            f"{free[best]}); waiting",
         )
     return Choice(clique=best)
 

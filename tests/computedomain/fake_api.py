@@ -37,7 +37,16 @@ class FakeApi:
         self.objects[path] = obj
 
     def under(self, collection: str) -> list[dict[str, Any]]:
-        return [o for p, o in self.objects.items() if p.rsplit("/", 1)[0] == collection]
+        """The collection's objects; a namespaced kind's cluster-wide path lists every namespace's."""
+        prefix, _, plural = collection.rpartition("/")
+
+        def inside(parent: str) -> bool:
+            if parent == collection:
+                return True
+            head, _, kind = parent.rpartition("/")
+            return kind == plural and head.rpartition("/")[0] == f"{prefix}/namespaces"
+
+        return [o for p, o in self.objects.items() if inside(p.rsplit("/", 1)[0])]
 
     async def get(self, path: str) -> dict[str, Any] | None:
         await asyncio.sleep(0)

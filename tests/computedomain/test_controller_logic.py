@@ -13,10 +13,12 @@ from dra_driver.computedomain.api import DomainStatus, InvalidComputeDomain, Nam
 from dra_driver.computedomain.node import compute_domain_slices
 from dra_driver.computedomain.objects import (
     Fabric,
+    Placement,
     channel_template,
     choose_clique,
     daemon_set,
     fabric_from_slices,
+    free_nodes,
     merge_conditions,
     overall_status,
 )
@@ -66,12 +68,40 @@ def test_slices_tell_which_nodes_are_on_which_clique() -> None:
 
 def test_a_domain_gets_the_clique_with_most_free_nodes() -> None:
     cd = domain(2)
-    assert choose_clique(cd, FABRIC, {}).clique == "c.2"
+    assert choose_clique(cd, FABRIC, {}, {}).clique == "c.2"
     busy = {"b1": "another", "b2": "another"}
-    assert choose_clique(cd, FABRIC, busy).clique == "c.1"
+    assert choose_clique(cd, FABRIC, {}, busy).clique == "c.1"
     assert (
-        choose_clique(cd, FABRIC, {"b1": cd.metadata.uid, "a1": "another"}).clique == "c.2"
+        choose_clique(cd, FABRIC, {}, {"b1": cd.metadata.uid, "a1": "another"}).clique == "c.2"
     )  # its own count
+
+
+def test_a_placed_domain_holds_its_clique_before_its_workload_lands() -> None:
+    """Two domains placed back to back, no node labelled yet: the second gets the other clique."""
+    first, second, third = domain(2), domain(2), domain(2)
+    placed: dict[str, Placement] = {}
+    for cd in (first, second):
+        choice = choose_clique(cd, FABRIC, placed, {})
+        placed[cd.metadata.uid] = Placement.of(cd, choice.clique)
+    assert placed[first.metadata.uid].clique == "c.2"
+    assert placed[second.metadata.uid].clique == "c.1"
+    # Both cliques held (c.2 has one node left): a third waits, and says how many are free.
+    choice = choose_clique(third, FABRIC, placed, {})
+    assert (choice.clique, choice.reason) == ("", "CliqueBusy")
+    assert "(at most 1)" in choice.message
+    # A domain's own placement does not count against it, when it is placed again.
+    assert choose_clique(second, FABRIC, placed, {}).clique == "c.1"
+
+
+def test_a_domain_holds_num_nodes_or_the_nodes_serving_it_whichever_is_more() -> None:
+    elastic = domain(0)
+    placed = {elastic.metadata.uid: Placement.of(elastic, "c.2")}
+    assert placed[elastic.metadata.uid].nodes == 1  # any size: one node, before its workload lands
+    assert free_nodes("new", FABRIC, placed, {}) == {"c.1": 2, "c.2": 2}
+    serving = {"b1": elastic.metadata.uid, "b2": elastic.metadata.uid}
+    assert free_nodes("new", FABRIC, placed, serving) == {"c.1": 2, "c.2": 1}
+    # A node serving a domain the record does not know is taken all the same.
+    assert free_nodes("new", FABRIC, {}, {"a1": "unknown"}) == {"c.1": 1, "c.2": 3}
 
 
 @pytest.mark.parametrize(
@@ -91,7 +121,7 @@ def test_no_clique_fits_says_why(fabric: Fabric, busy: dict[str, str], reason: s
     num_nodes = 3 if reason == "CliqueBusy" else 4
     if reason == "NoFabric":
         num_nodes = 1
-    choice = choose_clique(domain(num_nodes), fabric, busy)
+    choice = choose_clique(domain(num_nodes), fabric, {}, busy)
     assert choice.clique == ""
     assert choice.reason == reason
     assert message.replace("4 node(s) free", f"{num_nodes} node(s) free") in choice.message

@@ -13,6 +13,7 @@ from typing import Any
 
 from dra_driver.computedomain.controller import ComputeDomainController
 from dra_driver.computedomain.node import compute_domain_slices
+from dra_driver.rest import ApiError
 from tests.computedomain.fake_api import FakeApi
 
 GROUP = "resource.nvidia.com"
@@ -154,3 +155,124 @@ def test_the_daemons_clique_entries_become_the_status_and_departed_nodes_are_pru
     reconcile_until_settled(api)
     assert created(api) == []
     assert api.objects[CD]["metadata"]["finalizers"] == []
+
+
+def with_named_domain(api: FakeApi, name: str, uid: str, num_nodes: int = 2, mode: str = "Single") -> str:
+    path = f"/apis/{GROUP}/v1beta1/namespaces/ns/computedomains/{name}"
+    api.put(
+        path,
+        {
+            "apiVersion": f"{GROUP}/v1beta1",
+            "kind": "ComputeDomain",
+            "metadata": {"name": name, "namespace": "ns", "uid": uid, "generation": 1},
+            "spec": {
+                "numNodes": num_nodes,
+                "channel": {"resourceClaimTemplate": {"name": f"{name}-channel"}, "allocationMode": mode},
+            },
+        },
+    )
+    return path
+
+
+def pinned_clique(api: FakeApi, name: str) -> str:
+    template = api.objects[f"/apis/resource.k8s.io/v1/namespaces/ns/resourceclaimtemplates/{name}-channel"]
+    return str(template["metadata"]["annotations"][f"{GROUP}/clique"])
+
+
+OTHER_CLIQUE = "6f1c2b7e-3d4a-4e5f-8a9b-0c1d2e3f4a5b.2"
+
+
+def test_two_domains_reconciled_at_once_get_a_clique_each() -> None:
+    """NVIDIA's Single and All examples created together, two workers reconciling them side by
+    side, before any workload has labelled a node."""
+    api = FakeApi()
+    for node in ("a1", "a2"):
+        with_tray(api, node)
+    for node in ("b1", "b2"):
+        with_tray(api, node, OTHER_CLIQUE)
+    with_named_domain(api, "single", "0b9a8c1e-0000-4000-8000-00000000000a")
+    with_named_domain(api, "all", "0b9a8c1e-0000-4000-8000-00000000000b", mode="All")
+    ctl = controller(api)
+
+    async def settle(key: str) -> None:
+        for _ in range(10):
+            if await ctl.reconcile(key) != 0.0:
+                return
+
+    async def both() -> None:
+        await asyncio.gather(settle("ns/single"), settle("ns/all"))
+
+    asyncio.run(both())
+    assert {pinned_clique(api, "single"), pinned_clique(api, "all")} == {CLIQUE, OTHER_CLIQUE}
+
+
+def test_a_new_leader_recalls_the_cliques_given_before_placing_another_domain() -> None:
+    api = FakeApi()
+    for node in ("a1", "a2"):
+        with_tray(api, node)
+    for node in ("b1", "b2"):
+        with_tray(api, node, OTHER_CLIQUE)
+    first = controller(api)
+    with_named_domain(api, "single", "0b9a8c1e-0000-4000-8000-00000000000a")
+    asyncio.run(first.reconcile("ns/single"))  # the finalizer
+    asyncio.run(first.reconcile("ns/single"))  # placed; its workload has not landed
+    taken = pinned_clique(api, "single")
+
+    # The leader goes; the next one recalls the placement from the channel template, then places.
+    second = controller(api)
+    asyncio.run(second.recall_placements())
+    assert {uid: p.clique for uid, p in second.placed.items()} == {
+        "0b9a8c1e-0000-4000-8000-00000000000a": taken
+    }
+    with_named_domain(api, "all", "0b9a8c1e-0000-4000-8000-00000000000b", mode="All")
+    asyncio.run(second.reconcile("ns/all"))
+    asyncio.run(second.reconcile("ns/all"))
+    assert pinned_clique(api, "all") == ({CLIQUE, OTHER_CLIQUE} - {taken}).pop()
+
+    # A third finds both cliques held and waits, saying so; deleting the first frees its clique.
+    path = with_named_domain(api, "third", "0b9a8c1e-0000-4000-8000-00000000000c")
+    asyncio.run(second.reconcile("ns/third"))
+    asyncio.run(second.reconcile("ns/third"))
+    conditions = api.objects[path]["status"]["conditions"]
+    assert [(c["reason"], c["status"]) for c in conditions] == [("CliqueBusy", "False")]
+    single = f"/apis/{GROUP}/v1beta1/namespaces/ns/computedomains/single"
+    api.objects[single]["metadata"]["deletionTimestamp"] = "2026-12-01T00:00:00Z"
+
+    async def cleaned_up_then_next_key() -> str:
+        for name in ("single", "all", "third"):  # what the watch reports; each key queued once
+            second._on_domain(
+                "ADDED", api.objects[f"/apis/{GROUP}/v1beta1/namespaces/ns/computedomains/{name}"]
+            )
+        for _ in range(3):
+            second.queue.done(await second.queue.get())
+        await second.reconcile("ns/single")
+        return await asyncio.wait_for(second.queue.get(), timeout=1)
+
+    assert asyncio.run(cleaned_up_then_next_key()) == "ns/third"  # the waiting domain looks at once
+    asyncio.run(second.reconcile("ns/third"))
+    assert pinned_clique(api, "third") == taken
+
+
+def test_placements_are_recalled_once_the_api_server_answers() -> None:
+    """A leader elected while the API server's storage is still initializing asks again, not exits."""
+
+    class Starting(FakeApi):
+        refusals = 2
+
+        async def list(self, path: str, **query: str) -> dict[str, Any]:
+            if self.refusals:
+                self.refusals -= 1
+                raise ApiError(429, "TooManyRequests", "storage is (re)initializing")
+            return await super().list(path, **query)
+
+    api = Starting()
+    with_tray(api, "a1")
+    with_named_domain(api, "single", UID)
+    api.put(
+        "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaimtemplates/single-channel",
+        {"metadata": {"labels": {LABEL: UID}, "annotations": {f"{GROUP}/clique": CLIQUE}}},
+    )
+    ctl = controller(api)
+    asyncio.run(ctl.recall_placements())
+    assert api.refusals == 0
+    assert {uid: (p.clique, p.nodes) for uid, p in ctl.placed.items()} == {UID: (CLIQUE, 2)}
