@@ -95,6 +95,7 @@ from dra_driver.resources.devices import PartitionPolicy, offers_partitions, par
 from dra_driver.resources.naming import gpu_device_name, maintenance_device_name, mig_device_name
 
 ADMIN_ACCESS_ENV_PREFIX = "DRA_GPU_ADMIN_ACCESS_"
+MIG_CREATED_ENV_PREFIX = "DRA_GPU_MIG_CREATED_"
 
 
 @dataclass(frozen=True)
@@ -503,6 +504,8 @@ def _cdi_device(device: PlannedDevice) -> CdiDevice:
     env = sharing_env(device.result.device, device.config.sharing)
     if device.result.admin_access:
         env += admin_access_env(device.result.device)
+    if device.target.create is not None:
+        env += mig_created_env(device.result.device)
     return CdiDevice(
         name=device.result.device,
         device_nodes=device.target.device_nodes,
@@ -515,6 +518,15 @@ def _cdi_device(device: PlannedDevice) -> CdiDevice:
 def admin_access_env(device: str) -> tuple[tuple[str, str], ...]:
     """The variable telling a maintenance container that it holds ``device`` with admin access."""
     return ((f"{ADMIN_ACCESS_ENV_PREFIX}{_device_suffix(device)}", "true"),)
+
+
+def mig_created_env(device: str) -> tuple[tuple[str, str], ...]:
+    """The variable saying that the driver created ``device``'s MIG device for this claim.
+
+    The spec is the evidence recovery rebuilds a claim from when the store is lost: without
+    it, the claim's MIG device would be taken for an administrator's and outlive the claim.
+    """
+    return ((f"{MIG_CREATED_ENV_PREFIX}{_device_suffix(device)}", "true"),)
 
 
 def _device_suffix(device: str) -> str:

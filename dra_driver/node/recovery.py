@@ -44,9 +44,10 @@ table names (the spec names the MIG uuid in ``DRA_GPU_UUID_<DEVICE>``), so the f
 GPU stays excluded while the claim holds a partition of it, and the claim's unprepare
 destroys the device. A MIG device that neither the table names, nor a record, is an
 administrator's (static MIG) and is never destroyed. The table forgets devices that
-are gone, and devices a record names but the table lacks are added. (A lost store
-loses the table too: MIG devices of recovered claims are then taken for static ones
-and outlive their claims; they are logged at their claim's unprepare.)
+are gone, and devices a record names but the table lacks are added. A lost store
+loses the table too: then the spec itself says which MIG devices the driver made for
+the claim (``DRA_GPU_MIG_CREATED_<DEVICE>=true``), and the live device with the spec's
+uuid is recorded as the claim's again, so its unprepare still destroys it.
 
 Temporary files that crashed writes left in the CDI directory are removed here too.
 
@@ -64,7 +65,7 @@ import structlog
 from dra_driver.cdi.spec import device_of_cdi_name, uuid_env_name
 from dra_driver.cdi.store import SpecStore
 from dra_driver.devices.types import MigDevice
-from dra_driver.node.plan import admin_access_env
+from dra_driver.node.plan import admin_access_env, mig_created_env
 from dra_driver.node.records import ClaimRecord, DeviceRecord, MigRecord
 from dra_driver.node.store import MutationRejected, Opened, Progress, Reserve, Store
 
@@ -86,7 +87,8 @@ def recover(
     recorded_mig = any(device.mig for record in state.claims.values() for device in record.devices)
     # Reading the GPUs costs a little; a node that never created a MIG device need not.
     entries = store.mig_devices()
-    live = live_mig_devices() if recorded_mig or entries else ()
+    unrecorded_specs = specs.claim_uids() - set(state.claims)
+    live = live_mig_devices() if recorded_mig or entries or unrecorded_specs else ()
     alive = {m.uuid for m in live}
     for uuid in set(entries) - alive:
         store.remove_mig_device(uuid)
@@ -100,13 +102,13 @@ def recover(
                     ours[device.mig.uuid] = device.mig
     # A spec without a record: the store was lost or damaged, or a crash came between the two.
     # Oldest spec first: should two hold one device, the claim prepared first keeps it.
-    for uid in sorted(specs.claim_uids() - set(state.claims), key=lambda u: (_written(specs, u), u)):
+    for uid in sorted(unrecorded_specs, key=lambda u: (_written(specs, u), u)):
         if specs.held_by_a_writer(uid) or store.claim(uid) is not None:
             # Another instance (rolling update) is between the spec and its record, or has just
             # committed it: not a crash's.
             log.info("left the CDI spec of a live prepare to its plugin instance", claim_uid=uid)
             continue
-        rebuilt = _recovered(uid, specs, pool, ours)
+        rebuilt = _recovered(uid, specs, pool, ours, live)
         if rebuilt is None:
             specs.remove(uid)
             continue
@@ -120,6 +122,10 @@ def recover(
                 what_to_do="delete the pod of one of the two claims; its unprepare removes its spec",
             )
             continue
+        for device in rebuilt.devices:
+            if device.mig is not None and device.mig.uuid is not None and device.mig.uuid not in ours:
+                store.add_mig_device(device.mig)
+                ours[device.mig.uuid] = device.mig
         log.info(
             "recovered a prepared claim from its CDI spec",
             claim_uid=uid,
@@ -142,7 +148,9 @@ def _written(specs: SpecStore, uid: str) -> int:
         return 0
 
 
-def _recovered(uid: str, specs: SpecStore, pool: str, ours: dict[str, MigRecord]) -> ClaimRecord | None:
+def _recovered(
+    uid: str, specs: SpecStore, pool: str, ours: dict[str, MigRecord], live: Sequence[MigDevice]
+) -> ClaimRecord | None:
     """The claim as its spec describes it; None (after logging why) when the spec is unusable."""
     try:
         spec = specs.read(uid)
@@ -160,7 +168,8 @@ def _recovered(uid: str, specs: SpecStore, pool: str, ours: dict[str, MigRecord]
             admin_access=_env(entry, admin_access_env(device)[0][0]) == "true",
             share_id=share_id,  # a share keeps only its share reserved
             cdi_device_ids=(f"{kind}={name}",),
-            mig=ours.get(_env(entry, uuid_env_name(device))),
+            mig=ours.get(uuid := _env(entry, uuid_env_name(device)))
+            or _created_for_the_claim(entry, device, uuid, live),
         )
         for entry in named
         if isinstance(name := entry.get("name"), str)
@@ -172,6 +181,29 @@ def _recovered(uid: str, specs: SpecStore, pool: str, ours: dict[str, MigRecord]
         return None
     return ClaimRecord(
         namespace="", name="", phase="Recovered", attempt=secrets.token_hex(8), devices=devices
+    )
+
+
+def _created_for_the_claim(
+    entry: dict[str, object], device: str, uuid: str, live: Sequence[MigDevice]
+) -> MigRecord | None:
+    """The MIG device the driver made for the claim, when its table was lost with the store.
+
+    The spec says the driver created it (``DRA_GPU_MIG_CREATED_<DEVICE>``); the live device
+    with the spec's uuid gives the rest, so the claim's unprepare destroys it.
+    """
+    if _env(entry, mig_created_env(device)[0][0]) != "true":
+        return None
+    made = next((m for m in live if m.uuid == uuid), None)
+    if made is None:
+        return None
+    return MigRecord(
+        parent_uuid=made.parent_uuid,
+        parent_device=device.split("-mig-")[0],
+        profile_id=made.profile_id,
+        placement_start=made.placement.start,
+        placement_size=made.placement.size,
+        uuid=made.uuid,
     )
 
 

@@ -692,7 +692,7 @@ async def test_after_a_lost_record_the_drivers_devices_are_still_its_own(node: N
     assert [m.uuid for m in node.backend.inventory().gpus[1].mig_devices] == [static.uuid]
 
 
-async def test_after_a_lost_store_a_recovered_mig_claim_still_keeps_its_gpu_from_a_whole_gpu_claim(
+async def test_after_a_lost_store_a_recovered_mig_claim_keeps_its_gpu_and_its_unprepare_destroys_the_device(
     node: Node,
 ) -> None:
     ref, whole = new_ref(), new_ref("whole")
@@ -706,9 +706,9 @@ async def test_after_a_lost_store_a_recovered_mig_claim_still_keeps_its_gpu_from
     # (the plan refuses the GPU while it is in MIG mode; the store refuses it even where it would not)
     with pytest.raises(MutationRejected, match=f"cannot be prepared whole: claim {ref.uid}"):
         preparer._state().commit(Reserve(whole.uid, crashed_record(whole, "gpu-1", None)))
+    # The spec says the driver made the device for the claim: the claim's unprepare destroys it.
     assert await preparer.unprepare([ref]) == {ref.uid: None}
-    # Without the table the device is taken for an administrator's: it stays, and is logged.
-    assert [m.placement.start for m in node.backend.inventory().gpus[1].mig_devices] == [4]
+    assert node.backend.inventory().gpus[1].mig_devices == ()
 
 
 async def test_a_device_the_table_lost_track_of_is_entered_again(node: Node) -> None:
