@@ -653,3 +653,73 @@ def test_the_webhook_may_only_read_slices_and_classes_with_an_account_of_its_own
         for s in b["subjects"]
     ]
     assert sum(s["name"] == account for s in bound) == 1
+
+
+def _policy(manifests: list[Manifest], suffix: str) -> Manifest:
+    (policy,) = [
+        p for p in of_kind(manifests, "ValidatingAdmissionPolicy") if p["metadata"]["name"].endswith(suffix)
+    ]
+    return policy
+
+
+def _cel(policy: Manifest) -> str:
+    """Every expression of a policy, as one text."""
+    spec = policy["spec"]
+    parts = [*spec.get("matchConditions", []), *spec.get("variables", []), *spec["validations"]]
+    return "\n".join(str(part.get("expression", "")) for part in parts)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {},
+        {
+            "mpsDaemonImage": "registry.example/mps:1",
+            "pluginsDir": "/k/plugins",
+            "driverRoot": "/run/nvidia/driver",
+        },
+    ],
+    ids=["defaults", "moved"],
+)
+def test_the_write_policies_admit_the_image_and_host_paths_the_chart_deploys(
+    helm: Path, values: dict[str, Any]
+) -> None:
+    # The MPS daemons' and the IMEX daemons' policies name the image and host paths the chart hands
+    # the plugin and the controller: were they to drift apart, the driver's own writes would be refused.
+    manifests = render(helm, values)
+    env = plugin_env(manifests)
+    mps = _cel(_policy(manifests, "-mps-daemons"))
+    assert f'"{env["DRA_MPS_DAEMON_IMAGE"]["value"]}"' in mps
+    volumes = {v["name"]: v["hostPath"]["path"] for v in pod_spec(manifests)["volumes"]}
+    assert f'"{volumes["plugin-dir"]}/mps/" + variables.id + "/pipe"' in mps
+    assert f'"driver-root": "{volumes["driver-root"]}"' in mps
+
+    (controller,) = [
+        d for d in of_kind(manifests, "Deployment") if "compute-domain-controller" in d["metadata"]["name"]
+    ]
+    container = controller["spec"]["template"]["spec"]["containers"][0]
+    daemon_image = next(e["value"] for e in container["env"] if e["name"] == "DRA_DAEMON_IMAGE")
+    account = controller["spec"]["template"]["spec"]["serviceAccountName"]
+    for suffix in ("-cd-daemonsets", "-cd-templates", "-cd-cliques"):
+        assert f"system:serviceaccount:{NAMESPACE}:{account}" in _cel(_policy(manifests, suffix))
+    assert f'"{daemon_image}"' in _cel(_policy(manifests, "-cd-daemonsets"))
+
+
+def test_every_write_policy_is_bound_to_deny(helm: Path) -> None:
+    manifests = render(helm, {"nodeLabels": True})
+    policies = {p["metadata"]["name"] for p in of_kind(manifests, "ValidatingAdmissionPolicy")}
+    bindings = {
+        b["spec"]["policyName"]: b["spec"]["validationActions"]
+        for b in of_kind(manifests, "ValidatingAdmissionPolicyBinding")
+    }
+    suffixes = ("-resourceslices", "-node-labels", "-mps-daemons", "-claim-status", "-cd-daemonsets")
+    assert all(
+        any(name.endswith(s) for name in policies) for s in (*suffixes, "-cd-templates", "-cd-cliques")
+    )
+    assert bindings == {name: ["Deny"] for name in policies}
+    assert all(p["spec"]["failurePolicy"] == "Fail" for p in of_kind(manifests, "ValidatingAdmissionPolicy"))
+    assert not [
+        m
+        for m in render(helm, {"admissionPolicy": {"enabled": False}})
+        if "AdmissionPolicy" in m["kind"] and not m["metadata"]["name"].endswith("-maintenance")
+    ]
