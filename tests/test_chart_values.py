@@ -564,12 +564,12 @@ GATED_VALUES = {
     "NodeLabels": "nodeLabels",
 }
 # NVIDIA's gates for what this driver always does: true is accepted, false refused.
-ALWAYS_ON = ("TimeSlicingSettings", "MPSSupport", "NVMLDeviceHealthCheck")
+ALWAYS_ON = ("TimeSlicingSettings", "NVMLDeviceHealthCheck")
 
 
 def test_feature_gates_are_named_after_settings_or_are_nvidias() -> None:
     gates = set(LEAVES["featureGates"]["propertyNames"]["enum"])
-    assert gates == {*GATED_VALUES, "DynamicMIG", *ALWAYS_ON, "PassthroughSupport"}
+    assert gates == {*GATED_VALUES, "DynamicMIG", "MPSSupport", *ALWAYS_ON, "PassthroughSupport"}
     for gate, value in GATED_VALUES.items():
         assert gate == value[0].upper() + value[1:]
         assert value in SETTING_OF_VALUE, f"{gate} switches {value}, which is no setting of the daemon"
@@ -604,8 +604,34 @@ def test_nvidias_dynamic_mig_gate_sets_mig_partitions(
 
 
 def test_nvidias_gates_for_what_the_driver_always_does_are_accepted(helm: Path) -> None:
-    gates = {**dict.fromkeys(ALWAYS_ON, True), "PassthroughSupport": False}
+    gates = {**dict.fromkeys(ALWAYS_ON, True), "MPSSupport": True, "PassthroughSupport": False}
     assert render(helm, {"featureGates": gates}) == render(helm)
+
+
+def test_without_nvidias_mps_gate_the_plugin_may_create_no_deployments(helm: Path) -> None:
+    # As NVIDIA's chart: Deployments (the MPS control daemons) only with MPS; the daemon then
+    # gets no MPS image, and refuses MPS claims on a real node.
+    def deployment_rules(manifests: list[Manifest]) -> list[dict[str, Any]]:
+        return [
+            rule
+            for role in of_kind(manifests, "Role") + of_kind(manifests, "ClusterRole")
+            if not _compute_domain_object(role)
+            for rule in role["rules"]
+            if "deployments" in rule.get("resources", [])
+        ]
+
+    with_mps, without = render(helm), render(helm, {"featureGates": {"MPSSupport": False}})
+    assert deployment_rules(with_mps)
+    assert plugin_env(with_mps)["DRA_MPS_DAEMON_IMAGE"]["value"]
+    assert _policy(with_mps, "-mps-daemons")
+    assert not deployment_rules(without)
+    assert plugin_env(without)["DRA_MPS_DAEMON_IMAGE"]["value"] == ""
+    assert not [
+        p
+        for p in of_kind(without, "ValidatingAdmissionPolicy")
+        if p["metadata"]["name"].endswith("-mps-daemons")
+    ]
+    assert not [b for b in of_kind(without, "RoleBinding") if b["metadata"]["name"].endswith("-mps")]
 
 
 @pytest.mark.parametrize("gate", ALWAYS_ON)
