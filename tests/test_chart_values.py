@@ -701,8 +701,8 @@ def _cel(policy: Manifest) -> str:
         {},
         {
             "mpsDaemonImage": "registry.example/mps:1",
-            "pluginsDir": "/k/plugins",
-            "driverRoot": "/run/nvidia/driver",
+            "pluginsDir": "/k/plugins/",
+            "driverRoot": "/run/nvidia/driver/",
         },
     ],
     ids=["defaults", "moved"],
@@ -717,8 +717,9 @@ def test_the_write_policies_admit_the_image_and_host_paths_the_chart_deploys(
     mps = _cel(_policy(manifests, "-mps-daemons"))
     assert f'"{env["DRA_MPS_DAEMON_IMAGE"]["value"]}"' in mps
     volumes = {v["name"]: v["hostPath"]["path"] for v in pod_spec(manifests)["volumes"]}
-    assert f'"{volumes["plugin-dir"]}/mps/" + variables.id + "/pipe"' in mps
-    assert f'"driver-root": "{volumes["driver-root"]}"' in mps
+    # As the daemon names them (dra_driver/node/sharing/mps_deployment.py: pathlib paths).
+    assert f'"{Path(volumes["plugin-dir"])}/mps/" + variables.id + "/pipe"' in mps
+    assert f'"driver-root": "{Path(volumes["driver-root"])}"' in mps
 
     (controller,) = [
         d for d in of_kind(manifests, "Deployment") if "compute-domain-controller" in d["metadata"]["name"]
