@@ -5,7 +5,7 @@ PYTHON ?= .venv/bin/python
 HELM = $$(hack/build-kube.sh helm | sed -n 's/^HELM_BIN_DIR=//p')/helm
 CHART = charts/dra-driver-gpu
 
-.PHONY: help venv lock demo demo-real test lint unit e2e bench bench-go reliability gen gen-check kube-build mock-nvml cluster-up cluster-down cluster-status image deps e2e-versions e2e-versions-subset scale
+.PHONY: help venv lock demo demo-real test lint unit e2e bench bench-go reliability gen gen-check kube-build mock-nvml cluster-up cluster-down cluster-status image deps e2e-versions e2e-versions-subset scale security
 
 ## help: list the targets
 help:
@@ -76,6 +76,11 @@ scale: venv kube-build
 ## fuzzing), about 20 minutes; writes _output/reliability.json (`make test` runs a CI-sized subset)
 reliability: venv kube-build
 	$(PYTHON) -m e2e.reliability
+
+## security: the attack suite: the chart's accounts, with real pod-bound tokens and by impersonation, try
+## every write their roles allow on the real API server; writes _output/security.json (`make test` runs it too)
+security: venv kube-build
+	$(PYTHON) -m e2e.security
 
 ## gen: regenerate the committed generated code and docs (protobuf, config JSON schema, settings table)
 gen: venv

@@ -294,7 +294,7 @@ def resource_slice(name: str, node: str, driver: str = DRIVER) -> JsonObject:
         "spec": {
             "driver": driver,
             "nodeName": node,
-            "pool": {"name": f"policy-test-{node}", "generation": 1, "resourceSliceCount": 1},
+            "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
             "devices": [{"name": "gpu-0"}],
         },
     }

@@ -617,12 +617,12 @@ GATED_VALUES = {
     "NodeLabels": "nodeLabels",
 }
 # NVIDIA's gates for what this driver always does: true is accepted, false refused.
-ALWAYS_ON = ("TimeSlicingSettings", "MPSSupport", "NVMLDeviceHealthCheck")
+ALWAYS_ON = ("TimeSlicingSettings", "NVMLDeviceHealthCheck")
 
 
 def test_feature_gates_are_named_after_settings_or_are_nvidias() -> None:
     gates = set(LEAVES["featureGates"]["propertyNames"]["enum"])
-    assert gates == {*GATED_VALUES, "DynamicMIG", *ALWAYS_ON, "PassthroughSupport"}
+    assert gates == {*GATED_VALUES, "DynamicMIG", "MPSSupport", *ALWAYS_ON, "PassthroughSupport"}
     for gate, value in GATED_VALUES.items():
         assert gate == value[0].upper() + value[1:]
         assert value in SETTING_OF_VALUE, f"{gate} switches {value}, which is no setting of the daemon"
@@ -665,8 +665,34 @@ def test_under_nvidias_name_dynamic_mig_true_means_every_gpu(helm: Path) -> None
 
 
 def test_nvidias_gates_for_what_the_driver_always_does_are_accepted(helm: Path) -> None:
-    gates = {**dict.fromkeys(ALWAYS_ON, True), "PassthroughSupport": False}
+    gates = {**dict.fromkeys(ALWAYS_ON, True), "MPSSupport": True, "PassthroughSupport": False}
     assert render(helm, {"featureGates": gates}) == render(helm)
+
+
+def test_without_nvidias_mps_gate_the_plugin_may_create_no_deployments(helm: Path) -> None:
+    # As NVIDIA's chart: Deployments (the MPS control daemons) only with MPS; the daemon then
+    # gets no MPS image, and refuses MPS claims on a real node.
+    def deployment_rules(manifests: list[Manifest]) -> list[dict[str, Any]]:
+        return [
+            rule
+            for role in of_kind(manifests, "Role") + of_kind(manifests, "ClusterRole")
+            if not _compute_domain_object(role)
+            for rule in role["rules"]
+            if "deployments" in rule.get("resources", [])
+        ]
+
+    with_mps, without = render(helm), render(helm, {"featureGates": {"MPSSupport": False}})
+    assert deployment_rules(with_mps)
+    assert plugin_env(with_mps)["DRA_MPS_DAEMON_IMAGE"]["value"]
+    assert _policy(with_mps, "-mps-daemons")
+    assert not deployment_rules(without)
+    assert plugin_env(without)["DRA_MPS_DAEMON_IMAGE"]["value"] == ""
+    assert not [
+        p
+        for p in of_kind(without, "ValidatingAdmissionPolicy")
+        if p["metadata"]["name"].endswith("-mps-daemons")
+    ]
+    assert not [b for b in of_kind(without, "RoleBinding") if b["metadata"]["name"].endswith("-mps")]
 
 
 @pytest.mark.parametrize("gate", ALWAYS_ON)
@@ -825,3 +851,73 @@ def test_the_webhooks_ca_is_the_charts_secret_or_cert_managers(helm: Path) -> No
     )
     assert [c["spec"]["issuerRef"] for c in of_kind(named, "Certificate")] == [issuer]
     assert of_kind(named, "Issuer") == []
+
+def _policy(manifests: list[Manifest], suffix: str) -> Manifest:
+    (policy,) = [
+        p for p in of_kind(manifests, "ValidatingAdmissionPolicy") if p["metadata"]["name"].endswith(suffix)
+    ]
+    return policy
+
+
+def _cel(policy: Manifest) -> str:
+    """Every expression of a policy, as one text."""
+    spec = policy["spec"]
+    parts = [*spec.get("matchConditions", []), *spec.get("variables", []), *spec["validations"]]
+    return "\n".join(str(part.get("expression", "")) for part in parts)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {},
+        {
+            "mpsDaemonImage": "registry.example/mps:1",
+            "pluginsDir": "/k/plugins/",
+            "driverRoot": "/run/nvidia/driver/",
+        },
+    ],
+    ids=["defaults", "moved"],
+)
+def test_the_write_policies_admit_the_image_and_host_paths_the_chart_deploys(
+    helm: Path, values: dict[str, Any]
+) -> None:
+    # The MPS daemons' and the IMEX daemons' policies name the image and host paths the chart hands
+    # the plugin and the controller: were they to drift apart, the driver's own writes would be refused.
+    manifests = render(helm, values)
+    env = plugin_env(manifests)
+    mps = _cel(_policy(manifests, "-mps-daemons"))
+    assert f'"{env["DRA_MPS_DAEMON_IMAGE"]["value"]}"' in mps
+    volumes = {v["name"]: v["hostPath"]["path"] for v in pod_spec(manifests)["volumes"]}
+    # As the daemon names them (dra_driver/node/sharing/mps_deployment.py: pathlib paths).
+    assert f'"{Path(volumes["plugin-dir"])}/mps/" + variables.id + "/pipe"' in mps
+    assert f'"driver-root": "{Path(volumes["driver-root"])}"' in mps
+
+    (controller,) = [
+        d for d in of_kind(manifests, "Deployment") if "compute-domain-controller" in d["metadata"]["name"]
+    ]
+    container = controller["spec"]["template"]["spec"]["containers"][0]
+    daemon_image = next(e["value"] for e in container["env"] if e["name"] == "DRA_DAEMON_IMAGE")
+    account = controller["spec"]["template"]["spec"]["serviceAccountName"]
+    for suffix in ("-cd-daemonsets", "-cd-templates", "-cd-cliques"):
+        assert f"system:serviceaccount:{NAMESPACE}:{account}" in _cel(_policy(manifests, suffix))
+    assert f'"{daemon_image}"' in _cel(_policy(manifests, "-cd-daemonsets"))
+
+
+def test_every_write_policy_is_bound_to_deny(helm: Path) -> None:
+    manifests = render(helm, {"nodeLabels": True})
+    policies = {p["metadata"]["name"] for p in of_kind(manifests, "ValidatingAdmissionPolicy")}
+    bindings = {
+        b["spec"]["policyName"]: b["spec"]["validationActions"]
+        for b in of_kind(manifests, "ValidatingAdmissionPolicyBinding")
+    }
+    suffixes = ("-resourceslices", "-node-labels", "-mps-daemons", "-claim-status", "-cd-daemonsets")
+    assert all(
+        any(name.endswith(s) for name in policies) for s in (*suffixes, "-cd-templates", "-cd-cliques")
+    )
+    assert bindings == {name: ["Deny"] for name in policies}
+    assert all(p["spec"]["failurePolicy"] == "Fail" for p in of_kind(manifests, "ValidatingAdmissionPolicy"))
+    assert not [
+        m
+        for m in render(helm, {"admissionPolicy": {"enabled": False}})
+        if "AdmissionPolicy" in m["kind"] and not m["metadata"]["name"].endswith("-maintenance")
+    ]

@@ -34,9 +34,13 @@ class ApiError(Exception):
 
 
 class RestClient:
-    def __init__(self, server: str, token: str, ca_file: Path) -> None:
+    def __init__(
+        self, server: str, token: str, ca_file: Path, *, headers: Mapping[str, str] | None = None
+    ) -> None:
+        """``headers`` go with every request (e.g. ``Impersonate-User``: the admin acting as another)."""
         self._server = server
         self._token = token
+        self._headers = dict(headers or {})
         self._tls = ssl.create_default_context(cafile=str(ca_file))
 
     def request(
@@ -120,6 +124,7 @@ class RestClient:
                 "Authorization": f"Bearer {self._token}",
                 "Accept": "application/json",
                 "Content-Type": content_type,
+                **self._headers,
             },
         )
         try:

@@ -88,7 +88,7 @@ admin-access requests may use (templates/maintenance.yaml).
 
 {{/*
 The optional features, after featureGates (docs/configuration.md, "Feature gates"), as YAML for
-fromYaml: computeDomains, maintenanceDevices and nodeLabels (booleans) and migPartitions. A gate
+fromYaml: computeDomains, maintenanceDevices, nodeLabels and mps (booleans) and migPartitions. A gate
 that is set wins over the value it is named after (NodeLabels -> nodeLabels); NVIDIA's DynamicMIG
 maps to migPartitions (false: none; true: the list of GPUs, or else all). NVIDIA's gates for
 what this driver always does, or never does, are accepted where they agree and refused with the
@@ -109,7 +109,11 @@ reason where they do not, so a values file written for NVIDIA's chart never sile
 {{- $_ := set $features "migPartitions" "all" -}}
 {{- end -}}
 {{- end -}}
-{{- range $gate, $what := dict "TimeSlicingSettings" "time-slicing configs" "MPSSupport" "MPS configs" "NVMLDeviceHealthCheck" "GPU health checks (Xid events, lost GPUs)" -}}
+{{- /* MPS claims need the plugin to create Deployments (its MPS control daemons): NVIDIA grants
+that only with its MPSSupport gate; here MPS is on unless the gate is false, which grants no
+Deployments at all and leaves MPS claims refused on a real node. */ -}}
+{{- $_ := set $features "mps" (ne (toString (index $gates "MPSSupport")) "false") -}}
+{{- range $gate, $what := dict "TimeSlicingSettings" "time-slicing configs" "NVMLDeviceHealthCheck" "GPU health checks (Xid events, lost GPUs)" -}}
 {{- if and (hasKey $gates $gate) (not (index $gates $gate)) -}}
 {{- fail (printf "featureGates.%s=false: this driver always serves %s and cannot switch them off; leave the gate out" $gate $what) -}}
 {{- end -}}

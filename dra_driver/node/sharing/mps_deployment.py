@@ -15,6 +15,10 @@ Differences from NVIDIA's template, each for a reason:
 * it carries labels naming the node and the claim (``resource.dra-driver.dev/mps-node``,
   ``.../mps-claim-uid``), so the plugin finds its own daemons (:meth:`running`) and an
   administrator sees which claim a daemon serves;
+* its pod mounts no service account token (``automountServiceAccountToken: false``): the daemon
+  never talks to the API server, and the chart's admission policy (``templates/
+  admission-policy-mps.yaml``) admits from the plugin's account only a Deployment of exactly this
+  shape, bound to the plugin's own node;
 * a failed daemon is reported, not waited for: a container that terminated, restarts, or cannot
   pull its image fails the prepare with the pod's own reason.
 
@@ -117,6 +121,9 @@ def deployment_manifest(
                 "metadata": {"labels": labels},
                 "spec": {
                     "nodeName": node_name,
+                    # The daemon talks to no API server: it gets no token (the chart's admission
+                    # policy refuses a daemon pod that would).
+                    "automountServiceAccountToken": False,
                     "hostPID": True,
                     "priorityClassName": "system-node-critical",
                     "tolerations": [{"operator": "Exists"}],  # it serves pods already on the node

@@ -1,0 +1,56 @@
+"""The attack suite (e2e/security) in ``make test``: on the session's control plane, and on every
+supported release (``kube_versions``). The suite is small enough to run whole: every attempt of
+``make security`` is made here too, and it writes the same ``_output/security.json``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from e2e.cluster import ClusterInfo
+from e2e.security import suite
+from e2e.security.__main__ import OUTPUT
+
+pytestmark = [pytest.mark.cluster, pytest.mark.kube_versions]
+
+
+@pytest.fixture(scope="module")
+def report(cluster: ClusterInfo) -> suite.JsonObject:
+    result = suite.run(cluster)
+    Path(OUTPUT).parent.mkdir(parents=True, exist_ok=True)
+    Path(OUTPUT).write_text(suite.dumps(result))
+    return result
+
+
+def test_every_attack_of_the_charts_accounts_is_refused(report: suite.JsonObject) -> None:
+    totals = report["totals"]
+    assert totals["attempts"] >= 70
+    assert not report["missed_goals"], "\n".join(report["missed_goals"])
+    assert totals["refused"] == totals["attempts"]
+
+
+def test_each_account_and_kind_is_attacked(report: suite.JsonObject) -> None:
+    assert set(report["kinds"]) >= {
+        "plugin.deployments",
+        "plugin.slices",
+        "plugin.nodes",
+        "plugin.claim_status",
+        "plugin-unbound",
+        "controller.daemonsets",
+        "controller.templates",
+        "controller.cliques",
+        "imex-daemon.cliques",
+        "webhook",
+    }
+    # Both credentials, the real pod-bound token and the impersonation, got the same verdicts.
+    assert report["totals"]["mismatches"] == 0
+
+
+def test_what_the_driver_writes_still_passes_the_policies(report: suite.JsonObject) -> None:
+    controls = report["controls"]
+    assert controls["failed"] == 0, controls["list"]
+    assert controls["passed"] == 6
+    policies = report["policies"]
+    assert len(policies) >= 7, sorted(policies)
+    assert all(p["bound"] and not p["warnings"] for p in policies.values()), policies
