@@ -852,6 +852,7 @@ def test_the_webhooks_ca_is_the_charts_secret_or_cert_managers(helm: Path) -> No
     assert [c["spec"]["issuerRef"] for c in of_kind(named, "Certificate")] == [issuer]
     assert of_kind(named, "Issuer") == []
 
+
 def _policy(manifests: list[Manifest], suffix: str) -> Manifest:
     (policy,) = [
         p for p in of_kind(manifests, "ValidatingAdmissionPolicy") if p["metadata"]["name"].endswith(suffix)
