@@ -245,6 +245,22 @@ func mockDeviceGetAddressingMode(device uintptr, mode *C.nvmlDeviceAddressingMod
 	})
 }
 
+// gpuTargets reads args[1], a GPU's index or "all", as the GPUs a control command changes.
+func (s *State) gpuTargets(args []string) ([]int, error) {
+	if args[1] != "all" {
+		_, n, err := s.gpuArg(args, 1)
+		if err != nil {
+			return nil, err
+		}
+		return []int{n}, nil
+	}
+	targets := make([]int, len(s.Gpus))
+	for i := range s.Gpus {
+		targets[i] = i
+	}
+	return targets, nil
+}
+
 // runFabric is the control command
 //
 //	fabric GPU|all [cluster=UUID] [clique=N] [state=unsupported|not-started|in-progress|completed] [status=CODE]
@@ -253,17 +269,9 @@ func (s *State) runFabric(args []string) (string, error) {
 	if len(args) < 2 {
 		return "", fmt.Errorf("%s GPU|all ...", args[0])
 	}
-	targets := []int{}
-	if args[1] == "all" {
-		for i := range s.Gpus {
-			targets = append(targets, i)
-		}
-	} else {
-		_, n, err := s.gpuArg(args, 1)
-		if err != nil {
-			return "", err
-		}
-		targets = append(targets, n)
+	targets, err := s.gpuTargets(args)
+	if err != nil {
+		return "", err
 	}
 	if args[0] == "addressing" {
 		if len(args) != 3 {

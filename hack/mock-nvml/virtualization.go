@@ -53,17 +53,9 @@ func (s *State) runVirtualization(args []string) (string, error) {
 	if _, ok := virtualizationModes[args[2]]; !ok {
 		return "", fmt.Errorf("virtualization: %q is not none, passthrough, vgpu, host-vgpu or host-vsga", args[2])
 	}
-	targets := []int{}
-	if args[1] == "all" {
-		for i := range s.Gpus {
-			targets = append(targets, i)
-		}
-	} else {
-		_, n, err := s.gpuArg(args, 1)
-		if err != nil {
-			return "", err
-		}
-		targets = append(targets, n)
+	targets, err := s.gpuTargets(args)
+	if err != nil {
+		return "", err
 	}
 	for _, n := range targets {
 		s.Gpus[n].Virtualization = args[2]
