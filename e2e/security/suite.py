@@ -531,6 +531,12 @@ def _create(path: str, body: JsonObject) -> Callable[[RestClient], object]:
     return lambda client: client.request("POST", path, body, query=DRY_RUN)
 
 
+def _create_a_pod() -> Callable[[RestClient], object]:
+    """A bare Pod in the driver's namespace: no account of the chart may create one."""
+    pod = {"metadata": {"name": "p"}, "spec": {"containers": [{"name": "c", "image": "busybox"}]}}
+    return _create(f"/api/v1/namespaces/{NAMESPACE}/pods", pod)
+
+
 def _delete(path: str) -> Callable[[RestClient], object]:
     return lambda client: client.request("DELETE", path, query=DRY_RUN)
 
@@ -1082,10 +1088,7 @@ def controller_attempts(setup: Setup) -> list[Attempt]:
         Attempt(
             "controller.other",
             "a Pod",
-            _create(
-                f"/api/v1/namespaces/{NAMESPACE}/pods",
-                {"metadata": {"name": "p"}, "spec": {"containers": [{"name": "c", "image": "busybox"}]}},
-            ),
+            _create_a_pod(),
             "rbac",
         ),
         Attempt("controller.other", "a ResourceSlice", _create(SLICES, slice_of("sec-x5", NODE_A)), "rbac"),
@@ -1133,10 +1136,7 @@ def daemon_attempts(setup: Setup) -> list[Attempt]:
         Attempt(
             "imex-daemon.other",
             "a Pod",
-            _create(
-                f"/api/v1/namespaces/{NAMESPACE}/pods",
-                {"metadata": {"name": "p"}, "spec": {"containers": [{"name": "c", "image": "busybox"}]}},
-            ),
+            _create_a_pod(),
             "rbac",
         ),
     ]
@@ -1173,10 +1173,7 @@ def webhook_attempts(setup: Setup) -> list[Attempt]:
         Attempt(
             kind,
             "a Pod",
-            _create(
-                f"/api/v1/namespaces/{NAMESPACE}/pods",
-                {"metadata": {"name": "p"}, "spec": {"containers": [{"name": "c", "image": "busybox"}]}},
-            ),
+            _create_a_pod(),
             "rbac",
         ),
     ]
