@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
-from dra_driver.cdi.validate import check_device_name, check_kind, minimum_version, validate_spec
+from dra_driver.cdi.validate import ValidSpec, check_device_name, check_kind, with_minimum_version
 from dra_driver.devices.driver_root import DriverFiles, HostFile
 from dra_driver.devices.types import DeviceNode, Inventory
 
@@ -200,7 +200,7 @@ def uuid_env_name(device: str) -> str:
 
 def claim_spec(
     driver_name: str, claim_uid: str, devices: Sequence[CdiDevice], common: CommonEdits
-) -> dict[str, Any]:
+) -> ValidSpec:
     """The transient CDI spec for one claim, with the lowest ``cdiVersion`` its content allows.
 
     Raises ValueError (InvalidSpecError for CDI rules) rather than return a spec a
@@ -236,9 +236,7 @@ def claim_spec(
             }
         ),
     }
-    spec = {"cdiVersion": minimum_version(spec), **spec}
-    validate_spec(spec)
-    return spec
+    return with_minimum_version(spec)
 
 
 def _cdi_device_name(claim_uid: str, device: str, share_id: str | None = None) -> str:

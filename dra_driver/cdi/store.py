@@ -36,7 +36,7 @@ from typing import Any
 
 from dra_driver import crashpoint
 from dra_driver.cdi.spec import cdi_kind, check_claim_uid
-from dra_driver.cdi.validate import validate_spec
+from dra_driver.cdi.validate import ValidSpec, validate_spec
 
 _SUFFIX = ".json"
 _TEMP_SUFFIX = ".tmp"  # ignored by runtimes, which read only .json and .yaml
@@ -102,7 +102,8 @@ class SpecStore:
     def _write_locked(self, claim_uid: str, spec: Mapping[str, Any]) -> tuple[Path, int]:
         """Write the spec; its path and a descriptor that holds it exclusively locked."""
         path = self.path_for(claim_uid)
-        validate_spec(spec)
+        if not isinstance(spec, ValidSpec):  # a ValidSpec was checked where it was built
+            validate_spec(spec)
         if spec["kind"] != self._kind:
             raise ValueError(
                 f"spec of kind {spec['kind']!r} does not belong in this driver's {self._kind!r} files"

@@ -87,8 +87,40 @@ def check_device_name(name: str, field: str = "name") -> None:
         )
 
 
+class ValidSpec(dict[str, Any]):
+    """A spec that passed :func:`validate_spec`: the spec store writes one without checking again.
+
+    Prepare builds each claim's spec once and checks it once; the type carries the verdict from the
+    builder to the writer. Never changed after its check: build a new one instead.
+    """
+
+
+def validated(spec: Mapping[str, Any]) -> ValidSpec:
+    """``spec`` checked (:func:`validate_spec`), as a :class:`ValidSpec`."""
+    validate_spec(spec)
+    return ValidSpec(spec)
+
+
+def with_minimum_version(spec: Mapping[str, Any]) -> ValidSpec:
+    """``spec`` (without a ``cdiVersion``) checked, at the lowest version its content allows.
+
+    The version is derived from the content once, so it cannot be too old: only the rest is checked.
+    """
+    if "cdiVersion" in spec:
+        raise InvalidSpecError("cdiVersion", "is derived from the content; leave it out")
+    full = {"cdiVersion": minimum_version(spec), **spec}
+    _check_content(full)
+    return ValidSpec(full)
+
+
 def validate_spec(spec: Mapping[str, Any]) -> None:
     """Raise :class:`InvalidSpecError` for the first rule ``spec`` breaks that makes a runtime refuse it."""
+    top = _check_content(spec)
+    _check_version(_string(top["cdiVersion"], "cdiVersion"), top)
+
+
+def _check_content(spec: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Every rule but the version's floor; returns the spec's top-level object."""
     top = _object(spec, "spec", _SPEC_FIELDS)
     for required in ("cdiVersion", "kind", "devices"):
         if required not in top:
@@ -120,7 +152,8 @@ def validate_spec(spec: Mapping[str, Any]) -> None:
         if not _has_edits(edits):
             raise InvalidSpecError(f"{at}.containerEdits", "a device must edit the container in some way")
 
-    _check_version(_string(top["cdiVersion"], "cdiVersion"), top)
+    _string(top["cdiVersion"], "cdiVersion")
+    return top
 
 
 def minimum_version(spec: Mapping[str, Any]) -> str:

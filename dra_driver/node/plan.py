@@ -58,7 +58,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Any
 
 from dra_driver.cdi.spec import (
     UUID_ENV_PREFIX,
@@ -68,6 +67,7 @@ from dra_driver.cdi.spec import (
     claim_spec,
     uuid_env_name,
 )
+from dra_driver.cdi.validate import ValidSpec
 from dra_driver.devices.types import DeviceNode, Gpu, Inventory, MigDevice, MigProfile, Placement
 from dra_driver.node.api_base import quantity_bytes
 from dra_driver.node.claims import (
@@ -178,7 +178,7 @@ class ClaimPlan:
         )
 
     @cached_property
-    def cdi_spec(self) -> dict[str, Any]:
+    def cdi_spec(self) -> ValidSpec:
         """The claim's CDI spec; ValueError while a MIG device is still to be created."""
         if self.to_create:
             raise ValueError(f"MIG devices {', '.join(self.to_create)} are not created yet")

@@ -100,7 +100,7 @@ def test_writes_and_removals_wait_for_no_disk_flush(
 
 
 def test_an_invalid_spec_is_never_written(store: SpecStore) -> None:
-    spec = spec_for(CLAIM_UID)
+    spec = dict(spec_for(CLAIM_UID))  # a plain mapping: not checked where it was built, so checked here
     spec["devices"][0]["containerEdits"]["env"].append("NOT-AN-ASSIGNMENT")
     with pytest.raises(InvalidSpecError, match=re.escape("devices[0].containerEdits.env[1]")):
         store.write(CLAIM_UID, spec)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from dra_driver.cdi.validate import InvalidSpecError, minimum_version, validate_spec
+from dra_driver.cdi.validate import InvalidSpecError, minimum_version, validate_spec, with_minimum_version
 
 Spec = dict[str, Any]
 
@@ -315,6 +315,33 @@ def test_each_broken_rule_is_refused_naming_the_field(mutate: Mutation, field: s
         validate_spec(spec)
     assert refused.value.field == field
     assert str(refused.value).startswith(f"invalid CDI spec: {field}: ")
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field", "fragment"),
+    [pytest.param(*case[1:], id=case[0]) for case in BROKEN_RULES if case[2] != "cdiVersion"],
+)
+def test_a_spec_built_at_its_minimum_version_is_held_to_every_other_rule(
+    mutate: Mutation, field: str, fragment: str
+) -> None:
+    # with_minimum_version checks a claim's spec once, at prepare: it derives the version, so the
+    # version's floor cannot fail, and must still refuse everything else validate_spec refuses.
+    spec = valid_spec()
+    mutate(spec)
+    del spec["cdiVersion"]
+    with pytest.raises(InvalidSpecError, match=re.escape(fragment)) as refused:
+        with_minimum_version(spec)
+    assert refused.value.field == field
+
+
+def test_a_spec_built_at_its_minimum_version_declares_it_and_passes_the_full_check() -> None:
+    spec = valid_spec()
+    del spec["cdiVersion"]
+    built = with_minimum_version(spec)
+    assert built["cdiVersion"] == minimum_version(spec)
+    validate_spec(built)
+    with pytest.raises(InvalidSpecError, match="derived from the content"):
+        with_minimum_version(built)
 
 
 def test_a_spec_that_is_not_an_object_is_refused() -> None:
