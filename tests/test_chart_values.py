@@ -615,6 +615,7 @@ GATED_VALUES = {
     "ComputeDomains": "computeDomains",
     "MaintenanceDevices": "maintenanceDevices",
     "NodeLabels": "nodeLabels",
+    "DeviceMetadata": "deviceMetadata",
 }
 # NVIDIA's gates for what this driver always does: true is accepted, false refused.
 ALWAYS_ON = ("TimeSlicingSettings", "NVMLDeviceHealthCheck")
