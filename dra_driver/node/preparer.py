@@ -409,16 +409,20 @@ class NodePreparer:
     def _write_spec_and_commit(self, uid: str, plan: ClaimPlan, reserve: Reserve) -> None:
         """The one-step prepare: the spec, then the completed record; no spec stays if it is refused."""
         self._write_metadata(plan)
-        # Held until the record is committed: another instance starting meanwhile leaves it alone.
-        with self._specs.write_held(uid, plan.cdi_spec):
-            try:
-                self._state().commit(reserve)
-            except BaseException:
-                # Another attempt's record of this claim (another instance) keeps the spec: theirs too.
-                if self._state().claim(uid) is None:
-                    self._specs.remove(uid)
-                    self._remove_metadata(plan.claim.ref)
-                raise
+        try:
+            # Held until the record is committed: another instance starting meanwhile leaves it alone.
+            with self._specs.write_held(uid, plan.cdi_spec):
+                try:
+                    self._state().commit(reserve)
+                except BaseException:
+                    # Another attempt's record of this claim (another instance) keeps the spec: theirs too.
+                    if self._state().claim(uid) is None:
+                        self._specs.remove(uid)
+                    raise
+        except BaseException:
+            if self._state().claim(uid) is None:  # the metadata too, as the spec
+                self._remove_metadata(plan.claim.ref)
+            raise
 
     def _write_metadata(self, plan: ClaimPlan) -> None:
         if self._metadata is not None:

@@ -9,8 +9,11 @@ the spec; with the setting off, neither exists.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from dra_driver.app import desired_slices
 from dra_driver.cdi.metadata import MetadataFiles
@@ -175,3 +178,34 @@ async def test_a_request_name_that_cannot_be_a_path_fails_the_claim_alone(node: 
     assert "'../../etc' cannot name a device metadata file" in outcome[bad.uid].message
     assert not isinstance(outcome[good.uid], ClaimError)
     assert not (plugin_dir(node) / "dra-device-metadata" / "default_bad").exists()
+
+
+@pytest.mark.parametrize("kind", ["full GPU (one step)", "MIG device to create (in steps)"])
+async def test_a_failed_spec_write_takes_the_file_back(
+    node: Node, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    preparer = await started(node)
+    ref = new_ref()
+    node.allocate(ref, "gpu-0" if kind.startswith("full") else "gpu-0-mig-3g40gb-9-4")
+
+    def failing_write(claim_uid: str, spec: Mapping[str, Any]) -> tuple[Path, int]:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(preparer._specs, "_write_locked", failing_write)
+
+    outcome = await preparer.prepare([ref])
+
+    assert isinstance(outcome[ref.uid], ClaimError)
+    assert not (plugin_dir(node) / "dra-device-metadata" / f"{ref.namespace}_{ref.name}").exists()
+
+
+async def test_after_a_reboot_no_file_of_the_earlier_boot_is_left(node: Node) -> None:
+    ref = new_ref()
+    node.allocate(ref, "gpu-0")
+    await (await started(node)).prepare([ref])
+    assert (plugin_dir(node) / "dra-device-metadata" / f"{ref.namespace}_{ref.name}").is_dir()
+
+    node.reboot()
+    await started(node)
+
+    assert not (plugin_dir(node) / "dra-device-metadata").exists()
