@@ -22,6 +22,10 @@ A result with a ``shareID`` is a share of a full GPU published with consumable c
 takes the whole GPU, prepared with MPS limited to what it consumed. Its CDI device carries the
 share id in its name, so the shares of one GPU never collide.
 
+With device metadata on (``--device-metadata``, :mod:`dra_driver.cdi.metadata`) the plan also holds
+each request's metadata file, listing its devices with the attributes the pool publishes for them,
+and every device of the request mounts that file in the spec.
+
 Whether a placement overlaps a live instance is not decided here: the inventory may
 be seconds old, and the hardware refuses an overlap when the device is created.
 
