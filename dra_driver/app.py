@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from dra_driver import kube
+from dra_driver.cdi.metadata import MetadataFiles
 from dra_driver.cdi.spec import HOOK_COMMANDS, CommonEdits, common_edits
 from dra_driver.cdi.store import SpecStore
 from dra_driver.devices.backend import Backend, DeviceError
@@ -546,6 +547,9 @@ async def _serve(
         on_unprepared=claim_status.unprepared,
         on_idle=lambda: trimmer.idle(),
         mps=mps_daemons(settings, api),
+        metadata=MetadataFiles(settings.plugins_dir / settings.driver_name)
+        if settings.device_metadata
+        else None,
     )
     trimmer = HeapTrimmer(lambda: preparer.busy)  # a burst's freed memory goes back to the kernel
     await preparer.start()  # before publishing: it knows which MIG devices are the driver's own

@@ -223,6 +223,15 @@ class Settings(BaseModel):
             "each share is limited through MPS (docs/consumable-capacity.md)."
         ),
     ] = False
+    device_metadata: Annotated[
+        bool,
+        Field(
+            description="Give every container a JSON file per request of its claim naming its devices "
+            "and their attributes (PCI address, NUMA node, uuid, ...), as the kubelet plugin helper "
+            "writes it (KEP-5304, beta in Kubernetes 1.37; KubeVirt reads it): "
+            "/var/run/kubernetes.io/dra-device-attributes/... (docs/device-metadata.md)."
+        ),
+    ] = False
     node_labels: Annotated[
         bool,
         Field(

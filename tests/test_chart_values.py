@@ -390,6 +390,20 @@ def test_device_classes_follow_the_driver_name(helm: Path) -> None:
     }
 
 
+def test_nvidias_extended_resource_on_its_gpu_class_is_opt_in(helm: Path) -> None:
+    """NVIDIA's chart sets extendedResourceName nvidia.com/gpu on gpu.nvidia.com; here a value asks for it,
+    since pods asking for nvidia.com/gpu would otherwise also match a device plugin's resource."""
+
+    def extended(values: dict[str, Any]) -> dict[str, str | None]:
+        classes = of_kind(render(helm, {"driverName": "gpu.nvidia.com", **values}), "DeviceClass")
+        return {m["metadata"]["name"]: m["spec"].get("extendedResourceName") for m in classes}
+
+    assert set(extended({}).values()) == {None}
+    opted_in = extended({"deviceClasses": {"gpu": {"extendedResourceName": "nvidia.com/gpu"}}})
+    assert opted_in.pop("gpu.nvidia.com") == "nvidia.com/gpu"
+    assert set(opted_in.values()) == {None}  # mig.nvidia.com, maintenance, compute domains: none
+
+
 def test_one_extended_resource_is_served_by_one_class(helm: Path) -> None:
     both = {"deviceClasses": {"gpu": {"extendedResourceName": "nvidia.com/gpu"}}}
     both["deviceClasses"]["mig"] = {"extendedResourceName": "nvidia.com/gpu"}
@@ -615,6 +629,7 @@ GATED_VALUES = {
     "ComputeDomains": "computeDomains",
     "MaintenanceDevices": "maintenanceDevices",
     "NodeLabels": "nodeLabels",
+    "DeviceMetadata": "deviceMetadata",
 }
 # NVIDIA's gates for what this driver always does: true is accepted, false refused.
 ALWAYS_ON = ("TimeSlicingSettings", "NVMLDeviceHealthCheck")

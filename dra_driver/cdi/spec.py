@@ -18,7 +18,8 @@ How the runtime combines the edits decides what goes where:
   bind mounts, and the ``nvidia-cdi-hook`` hooks that make the libraries loadable.
 * A device's ``containerEdits`` are applied only where that device is injected:
   its ``/dev/nvidia<minor>`` node (for a MIG device the parent's node plus the two
-  ``nvidia-caps`` nodes) and the variable that names its UUID.
+  ``nvidia-caps`` nodes), the variable that names its UUID and, with device metadata
+  on, the read-only mount of its request's metadata file (:mod:`dra_driver.cdi.metadata`).
 
 Telling the container which GPUs it got. The runtime merges the env of every
 injected device and a later entry with the same NAME replaces an earlier one, so a
@@ -108,6 +109,7 @@ class CdiDevice:
     env: tuple[tuple[str, str], ...] = ()  # extra env for this device
     uuid: str = ""  # GPU or MIG uuid, announced as DRA_GPU_UUID_<DEVICE>
     share_id: str | None = None  # a share of the device (consumable capacity): part of the CDI name
+    mounts: tuple[Mount, ...] = ()  # its request's device metadata file (dra_driver.cdi.metadata)
 
 
 @dataclass(frozen=True)
@@ -288,6 +290,7 @@ def _device_edits(device: CdiDevice) -> dict[str, Any]:
         {
             "env": [f"{name}={value}" for name, value in _device_env(device)],
             "deviceNodes": [_device_node(node) for node in device.device_nodes],
+            "mounts": [_mount(mount) for mount in device.mounts],
         }
     )
 

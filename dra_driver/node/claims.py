@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from dra_driver.cdi.metadata import POD_CLAIM_NAME_ANNOTATION
 from dra_driver.node.types import ClaimRef
 from dra_driver.resources.quantity import parse_quantity
 
@@ -99,6 +100,8 @@ class AllocatedClaim:
     ref: ClaimRef
     results: tuple[AllocationResult, ...]  # only ours (our driver, our pool); never empty
     configs: tuple[OpaqueConfig, ...]  # only opaque configs for our driver, in allocation order
+    # The pod's name for a claim made from its template (annotation resource.kubernetes.io/pod-claim-name)
+    pod_claim_name: str | None = None
 
 
 def allocated_claim(ref: ClaimRef, claim: Mapping[str, Any], driver: str, pool: str) -> AllocatedClaim:
@@ -128,7 +131,13 @@ def allocated_claim(ref: ClaimRef, claim: Mapping[str, Any], driver: str, pool: 
         for index, entry in enumerate(_list(allocation, "devices", "config"))
         if (config := _opaque_config(index, entry, driver)) is not None
     )
-    return AllocatedClaim(ref=ref, results=ours, configs=configs)
+    pod_claim_name = _get(claim, "metadata", "annotations", POD_CLAIM_NAME_ANNOTATION)
+    return AllocatedClaim(
+        ref=ref,
+        results=ours,
+        configs=configs,
+        pod_claim_name=pod_claim_name if isinstance(pod_claim_name, str) and pod_claim_name else None,
+    )
 
 
 def _is_ours(entry: object, driver: str, pool: str) -> bool:

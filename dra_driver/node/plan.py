@@ -22,6 +22,10 @@ A result with a ``shareID`` is a share of a full GPU published with consumable c
 takes the whole GPU, prepared with MPS limited to what it consumed. Its CDI device carries the
 share id in its name, so the shares of one GPU never collide.
 
+With device metadata on (``--device-metadata``, :mod:`dra_driver.cdi.metadata`) the plan also holds
+each request's metadata file, listing its devices with the attributes the pool publishes for them,
+and every device of the request mounts that file in the spec.
+
 Whether a placement overlaps a live instance is not decided here: the inventory may
 be seconds old, and the hardware refuses an overlap when the device is created.
 
@@ -55,14 +59,26 @@ changed, and applied and undone by :mod:`dra_driver.node.sharing.applier`
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
+from pathlib import Path
 
+from dra_driver.cdi.metadata import (
+    MOUNT_OPTIONS,
+    ClaimIdentity,
+    MetadataDevice,
+    base_request,
+    container_path,
+    host_path,
+    metadata_stream,
+)
 from dra_driver.cdi.spec import (
     UUID_ENV_PREFIX,
     CdiDevice,
     CommonEdits,
+    Mount,
     cdi_device_id,
     claim_spec,
     uuid_env_name,
@@ -91,11 +107,30 @@ from dra_driver.node.config import (
     winning_configs,
 )
 from dra_driver.node.shares import Share, pooled, share_config, share_of
-from dra_driver.resources.devices import PartitionPolicy, offers_partitions, partition_all
+from dra_driver.resources.devices import (
+    PartitionPolicy,
+    device_attributes,
+    offers_partitions,
+    partition_all,
+)
 from dra_driver.resources.naming import gpu_device_name, maintenance_device_name, mig_device_name
 
 ADMIN_ACCESS_ENV_PREFIX = "DRA_GPU_ADMIN_ACCESS_"
 MIG_CREATED_ENV_PREFIX = "DRA_GPU_MIG_CREATED_"
+# Request names and a pod's names for its claims are DNS labels; each becomes a path segment.
+_DNS_LABEL = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")
+
+
+@dataclass(frozen=True)
+class MetadataSource:
+    """What a claim's device metadata files (KEP-5304) need beyond the claim itself.
+
+    ``plugin_dir`` is the driver's kubelet plugin directory, under which the files go;
+    ``inventory`` gives each device the attributes the pool publishes for it.
+    """
+
+    plugin_dir: Path
+    inventory: Inventory
 
 
 @dataclass(frozen=True)
@@ -157,6 +192,7 @@ class ClaimPlan:
     devices: tuple[PlannedDevice, ...]  # one per allocation result of ours, in allocation order
     driver_name: str
     common: CommonEdits
+    metadata: MetadataSource | None = None  # device metadata on (--device-metadata)
 
     @property
     def to_create(self) -> dict[str, tuple[Gpu, MigPlacement]]:
@@ -183,11 +219,62 @@ class ClaimPlan:
         if self.to_create:
             raise ValueError(f"MIG devices {', '.join(self.to_create)} are not created yet")
         # Two results naming one device (shares of one device) need only one CDI device.
-        cdi_devices = list(dict.fromkeys(_cdi_device(device) for device in self.devices))
+        cdi_devices = list(
+            dict.fromkeys(_cdi_device(device, self._metadata_mounts(device)) for device in self.devices)
+        )
         try:
             return claim_spec(self.driver_name, self.claim.ref.uid, cdi_devices, self.common)
         except ValueError as error:
             raise ClaimRejected(f"cannot build the CDI spec for claim {self.claim.ref}: {error}") from None
+
+    @cached_property
+    def metadata_files(self) -> dict[Path, bytes]:
+        """The device metadata file of each request, by host path; none with metadata off.
+
+        Each lists the request's devices with their published attributes (a MIG device the
+        driver created with its uuid too); ValueError while a MIG device is still to be created.
+        """
+        if self.metadata is None:
+            return {}
+        if self.to_create:
+            raise ValueError(f"MIG devices {', '.join(self.to_create)} are not created yet")
+        by_request: dict[str, list[PlannedDevice]] = {}
+        for device in self.devices:
+            by_request.setdefault(device.result.request, []).append(device)
+        identity = self._identity
+        return {
+            host_path(self.metadata.plugin_dir, identity, request): metadata_stream(
+                identity, request, [self._metadata_device(d, self.metadata.inventory) for d in devices]
+            )
+            for request, devices in by_request.items()
+        }
+
+    @property
+    def _identity(self) -> ClaimIdentity:
+        ref = self.claim.ref
+        return ClaimIdentity(ref.namespace, ref.name, ref.uid, self.claim.pod_claim_name)
+
+    def _metadata_mounts(self, device: PlannedDevice) -> tuple[Mount, ...]:
+        if self.metadata is None:
+            return ()
+        request = device.result.request
+        return (
+            Mount(
+                str(host_path(self.metadata.plugin_dir, self._identity, request)),
+                container_path(self.driver_name, self._identity, request),
+                MOUNT_OPTIONS,
+            ),
+        )
+
+    def _metadata_device(self, device: PlannedDevice, inventory: Inventory) -> MetadataDevice:
+        target, gpu = device.target, device.target.gpu
+        if device.result.device == maintenance_device_name(gpu.minor):
+            attributes = device_attributes(inventory, gpu, maintenance=True)
+        elif target.is_mig:
+            attributes = device_attributes(inventory, gpu, mig=(_profile(target), target.uuid))
+        else:
+            attributes = device_attributes(inventory, gpu)
+        return MetadataDevice(self.driver_name, device.result.pool, device.result.device, attributes)
 
 
 def plan_claim(
@@ -199,6 +286,7 @@ def plan_claim(
     partition: PartitionPolicy = partition_all,
     mig_holders: Mapping[str, str] | None = None,
     consumable: bool = False,
+    metadata: MetadataSource | None = None,
 ) -> ClaimPlan:
     """Everything preparing ``claim`` means; :class:`ClaimRejected` if any of it is impossible.
 
@@ -206,7 +294,10 @@ def plan_claim(
     get MIG devices created. ``mig_holders`` maps the uuid of every MIG device the driver
     created to the uid of the claim it was created for. ``consumable`` says whether full GPUs
     are published as shareable (``--consumable-capacity``); only then are shares prepared.
+    ``metadata``, when given, adds each request's device metadata file (``--device-metadata``).
     """
+    if metadata is not None:
+        _check_metadata_names(claim)
     holders = mig_holders or {}
     targets = {
         result: _resolve(result, claim.ref.uid, inventory, partition, holders) for result in claim.results
@@ -252,10 +343,35 @@ def plan_claim(
     )
     for device in devices:
         _check_fits(device)
-    plan = ClaimPlan(claim=claim, devices=devices, driver_name=driver_name, common=common)
+    plan = ClaimPlan(claim=claim, devices=devices, driver_name=driver_name, common=common, metadata=metadata)
     if not plan.to_create:
         plan.cdi_spec  # noqa: B018 -- built now, so that a spec no runtime would accept rejects the claim
     return plan
+
+
+def _profile(target: Target) -> MigProfile:
+    """The profile of a MIG target: the one to create, or the existing device's (published, so known)."""
+    if target.create is not None:
+        return target.create.profile
+    assert target.mig is not None  # a MIG target has one or the other
+    profile = target.gpu.profile(target.mig.profile)
+    if profile is None:
+        raise ClaimRejected(
+            f"MIG device {target.mig.uuid} has profile {target.mig.profile!r}, unknown to its GPU"
+        )
+    return profile
+
+
+def _check_metadata_names(claim: AllocatedClaim) -> None:
+    """Refuse names that cannot be a path segment of a metadata file (the API never makes them)."""
+    names = {r.request: base_request(r.request) for r in claim.results}
+    if claim.pod_claim_name is not None:
+        names[claim.pod_claim_name] = claim.pod_claim_name
+    if bad := sorted(name for name, segment in names.items() if not _DNS_LABEL.fullmatch(segment)):
+        raise ClaimRejected(
+            f"claim {claim.ref}: {', '.join(map(repr, bad))} cannot name a device metadata file: request "
+            "names and the pod's claim names are DNS labels; was the claim edited by hand?"
+        )
 
 
 def _shares(
@@ -500,7 +616,7 @@ def _check_fits(device: PlannedDevice) -> None:
         )
 
 
-def _cdi_device(device: PlannedDevice) -> CdiDevice:
+def _cdi_device(device: PlannedDevice, mounts: tuple[Mount, ...] = ()) -> CdiDevice:
     env = sharing_env(device.result.device, device.config.sharing)
     if device.result.admin_access:
         env += admin_access_env(device.result.device)
@@ -512,6 +628,7 @@ def _cdi_device(device: PlannedDevice) -> CdiDevice:
         env=env,
         uuid=device.target.uuid,
         share_id=device.result.share_id,
+        mounts=mounts,
     )
 
 

@@ -67,6 +67,7 @@ from typing import Any, Protocol, TypeVar
 
 import structlog
 
+from dra_driver.cdi.metadata import MetadataFiles
 from dra_driver.cdi.spec import CommonEdits
 from dra_driver.cdi.store import SpecStore
 from dra_driver.devices.backend import Backend, DeviceError
@@ -75,7 +76,7 @@ from dra_driver.node.claim_fetcher import ClaimFetcher, ClaimFetchError
 from dra_driver.node.claims import ClaimRejected, allocated_claim, check_ref
 from dra_driver.node.config import config_json
 from dra_driver.node.partitioner import Partitioner, PartitionError
-from dra_driver.node.plan import ClaimPlan, MigPlacement, plan_claim
+from dra_driver.node.plan import ClaimPlan, MetadataSource, MigPlacement, plan_claim
 from dra_driver.node.records import (
     ClaimRecord,
     DeviceRecord,
@@ -139,7 +140,9 @@ class NodePreparer:
     published as shareable (consumable capacity): only then are shares of them prepared.
     ``on_prepared`` and ``on_unprepared`` hear of every claim prepared (also again) and
     unprepared; they must not block. ``on_idle`` hears when the last running claim operation
-    has finished (see :mod:`dra_driver.memory`).
+    has finished (see :mod:`dra_driver.memory`). With ``metadata`` every prepared claim gets the
+    device metadata file of each request (KEP-5304, :mod:`dra_driver.cdi.metadata`), written
+    before the spec that mounts it and removed after it.
     """
 
     def __init__(
@@ -162,6 +165,7 @@ class NodePreparer:
         on_unprepared: Callable[[ClaimRef], None] | None = None,
         on_idle: Callable[[], None] | None = None,
         mps: MpsDaemons | None = None,
+        metadata: MetadataFiles | None = None,
     ) -> None:
         self._driver = driver_name
         self._pool = node_name
@@ -183,6 +187,7 @@ class NodePreparer:
         self._partitioner = Partitioner(backend, self._state, on_inventory_changed)
         self._in_flight: set[asyncio.Task[Any]] = set()  # claim operations still running
         self._sharing = SharingApplier(backend, mps)
+        self._metadata = metadata
 
     async def start(self) -> None:
         """Open the store (repairing it after a reboot, damage or a crash); call once before serving."""
@@ -192,6 +197,8 @@ class NodePreparer:
 
     def _open(self) -> Store:
         opened = open_store(self._store_path, read_boot_id(self._boot_id_path))
+        if opened.earlier_boot and self._metadata is not None:
+            self._metadata.remove_all()  # the claims of an earlier boot are prepared no more
         recover(opened, self._specs, self._pool, self._live_mig_devices)
         return opened.store
 
@@ -341,6 +348,7 @@ class NodePreparer:
                 partition=self._partition,
                 mig_holders=store.mig_holders(),
                 consumable=self._consumable,
+                metadata=MetadataSource(self._metadata.plugin_dir, inventory) if self._metadata else None,
             )
             sharing = sharing_plan(plan)
             # Sharing and MIG devices to create take steps, each recorded before it is taken.
@@ -400,15 +408,29 @@ class NodePreparer:
 
     def _write_spec_and_commit(self, uid: str, plan: ClaimPlan, reserve: Reserve) -> None:
         """The one-step prepare: the spec, then the completed record; no spec stays if it is refused."""
-        # Held until the record is committed: another instance starting meanwhile leaves it alone.
-        with self._specs.write_held(uid, plan.cdi_spec):
-            try:
-                self._state().commit(reserve)
-            except BaseException:
-                # Another attempt's record of this claim (another instance) keeps the spec: theirs too.
-                if self._state().claim(uid) is None:
-                    self._specs.remove(uid)
-                raise
+        self._write_metadata(plan)
+        try:
+            # Held until the record is committed: another instance starting meanwhile leaves it alone.
+            with self._specs.write_held(uid, plan.cdi_spec):
+                try:
+                    self._state().commit(reserve)
+                except BaseException:
+                    # Another attempt's record of this claim (another instance) keeps the spec: theirs too.
+                    if self._state().claim(uid) is None:
+                        self._specs.remove(uid)
+                    raise
+        except BaseException:
+            if self._state().claim(uid) is None:  # the metadata too, as the spec
+                self._remove_metadata(plan.claim.ref)
+            raise
+
+    def _write_metadata(self, plan: ClaimPlan) -> None:
+        if self._metadata is not None:
+            self._metadata.write(plan.metadata_files)
+
+    def _remove_metadata(self, ref: ClaimRef) -> None:
+        if self._metadata is not None:
+            self._metadata.remove(ref.namespace, ref.name)
 
     async def _destroy_replaced(self, old: ClaimRecord, new: ClaimRecord) -> None:
         """Destroy the MIG devices an earlier attempt created that the new record does not use."""
@@ -464,6 +486,7 @@ class NodePreparer:
             if created:
                 await self._partitioner.changed()
             plan = await self._sharing.apply(plan, sharing, record.sharing)
+            self._write_metadata(plan)
             self._specs.write(uid, plan.cdi_spec)
             completed = record.model_copy(update={"phase": "PrepareCompleted"})
             self._state().commit(Complete(uid, completed))
@@ -474,6 +497,7 @@ class NodePreparer:
             raise
         except BaseException:
             await self._undo(uid, reserved.attempt, created, reserved.sharing)
+            self._remove_metadata(plan.claim.ref)
             raise
         return completed
 
@@ -524,6 +548,7 @@ class NodePreparer:
                 await self._destroy_recorded(ref.uid, record)
             # The spec goes first: as long as it exists, so does the record (see recovery).
             self._specs.remove(ref.uid)
+            self._remove_metadata(ref)
             # Committed even when this instance has no record: the other instance may have one.
             store.commit(Release(ref.uid))
             log.info("claim unprepared")

@@ -336,9 +336,13 @@ def _full_gpu(gpu: Gpu, common: dict[str, DeviceAttribute]) -> Device:
         capacity |= {name: _capacity(totals[counter]) for counter, name in _ENGINE_CAPACITIES.items()}
     return {
         "name": require_dns_label(gpu_device_name(gpu.minor), "device name"),
-        "attributes": {"type": {"string": "gpu"}, "uuid": {"string": gpu.uuid}, **common},
+        "attributes": _full_gpu_attributes(gpu, common),
         "capacity": capacity,
     }
+
+
+def _full_gpu_attributes(gpu: Gpu, common: dict[str, DeviceAttribute]) -> dict[str, DeviceAttribute]:
+    return {"type": {"string": "gpu"}, "uuid": {"string": gpu.uuid}, **common}
 
 
 # Engine counter -> the capacity that carries its count on a device (counters are DNS labels).
@@ -360,10 +364,7 @@ def _mig_device(
     uuid: str | None,
 ) -> Device:
     """A MIG device: an existing one when ``uuid`` is given, else a placement to create on demand."""
-    attributes: dict[str, DeviceAttribute] = {"type": {"string": "mig"}}
-    if uuid is not None:
-        attributes["uuid"] = {"string": uuid}
-    attributes |= {"profile": {"string": profile.name}, "parentUUID": {"string": gpu.uuid}, **common}
+    attributes = _mig_attributes(gpu, profile, common, uuid)
     name = mig_device_name(gpu.minor, profile.name, profile.profile_id, placement.start)
     capacity = {
         "multiprocessors": _capacity(profile.multiprocessors),
@@ -383,6 +384,39 @@ def _mig_device(
         del attributes[LEGACY_PCIE_BUS_ID]
     name = require_dns_label(name, "MIG device name")
     return {"name": name, "attributes": attributes, "capacity": capacity}
+
+
+def _mig_attributes(
+    gpu: Gpu, profile: MigProfile, common: dict[str, DeviceAttribute], uuid: str | None
+) -> dict[str, DeviceAttribute]:
+    attributes: dict[str, DeviceAttribute] = {"type": {"string": "mig"}}
+    if uuid is not None:
+        attributes["uuid"] = {"string": uuid}
+    return attributes | {"profile": {"string": profile.name}, "parentUUID": {"string": gpu.uuid}, **common}
+
+
+def device_attributes(
+    inventory: Inventory,
+    gpu: Gpu,
+    *,
+    mig: tuple[MigProfile, str | None] | None = None,
+    maintenance: bool = False,
+) -> dict[str, DeviceAttribute]:
+    """The attributes the pool publishes for one device of ``gpu``, for its device metadata (KEP-5304).
+
+    The whole GPU; with ``mig`` (its profile, and its uuid once it exists) a MIG device of it; with
+    ``maintenance`` its maintenance device. A MIG placement the driver created gets the uuid it
+    has now, which its published placement lacks: the container needs it, the slice did not.
+    """
+    if maintenance:
+        return dict(maintenance_device(inventory, gpu)["attributes"])
+    common = _common_attributes(inventory, gpu)
+    if mig is not None:
+        profile, uuid = mig
+        return _mig_attributes(gpu, profile, common, uuid)
+    return _full_gpu_attributes(
+        gpu, common | _link_attributes(gpu, nvlink_islands(inventory.gpus).get(gpu.uuid))
+    )
 
 
 def _profile_of(gpu: Gpu, mig: MigDevice) -> MigProfile:

@@ -130,12 +130,15 @@ def install_driver(
     helm: Path,
     tag: str | None = None,
     replace: dict[str, str] | None = None,
+    extra: tuple[str, ...] = (),
 ) -> DriverRelease:
-    """``replace``: `--set` values swapped for others (``{"simulate=dgx-h100": "simulate="}``)."""
+    """``replace``: `--set` values swapped for others (``{"simulate=dgx-h100": "simulate="}``);
+    ``extra``: further `--set` values (``("deviceMetadata=true",)``)."""
     from e2e.realnode.images import chart_app_version
 
     release = DriverRelease(cluster, node, helm, tag or chart_app_version())
     values = [(replace or {}).get(value, value) for value in release.values()]
+    values += [argument for value in extra for argument in ("--set", value)]
     release.helm_run("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--create-namespace", *values)
     release.wait_ready()
     release.wait_published()

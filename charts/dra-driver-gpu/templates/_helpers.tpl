@@ -88,16 +88,17 @@ admin-access requests may use (templates/maintenance.yaml).
 
 {{/*
 The optional features, after featureGates (docs/configuration.md, "Feature gates"), as YAML for
-fromYaml: computeDomains, maintenanceDevices, nodeLabels and mps (booleans) and migPartitions. A gate
-that is set wins over the value it is named after (NodeLabels -> nodeLabels); NVIDIA's DynamicMIG
+fromYaml: computeDomains, maintenanceDevices, nodeLabels, deviceMetadata and mps (booleans) and
+migPartitions. A gate that is set wins over the value it is named after (NodeLabels -> nodeLabels;
+NVIDIA's DeviceMetadata -> deviceMetadata, which here needs no PassthroughSupport); NVIDIA's DynamicMIG
 maps to migPartitions (false: none; true: the list of GPUs, or else all). NVIDIA's gates for
 what this driver always does, or never does, are accepted where they agree and refused with the
 reason where they do not, so a values file written for NVIDIA's chart never silently means less.
 */}}
 {{- define "dra-driver-gpu.features" -}}
 {{- $gates := .Values.featureGates | default dict -}}
-{{- $features := dict "computeDomains" .Values.computeDomains "maintenanceDevices" .Values.maintenanceDevices "nodeLabels" .Values.nodeLabels "migPartitions" .Values.migPartitions -}}
-{{- range $gate, $value := dict "ComputeDomains" "computeDomains" "MaintenanceDevices" "maintenanceDevices" "NodeLabels" "nodeLabels" -}}
+{{- $features := dict "computeDomains" .Values.computeDomains "maintenanceDevices" .Values.maintenanceDevices "nodeLabels" .Values.nodeLabels "deviceMetadata" .Values.deviceMetadata "migPartitions" .Values.migPartitions -}}
+{{- range $gate, $value := dict "ComputeDomains" "computeDomains" "MaintenanceDevices" "maintenanceDevices" "NodeLabels" "nodeLabels" "DeviceMetadata" "deviceMetadata" -}}
 {{- if hasKey $gates $gate -}}
 {{- $_ := set $features $value (index $gates $gate) -}}
 {{- end -}}
