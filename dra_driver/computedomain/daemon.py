@@ -164,6 +164,7 @@ class ImexDaemon:
         self._connected: set[str] = set()
         self._reported: tuple[DomainStatus, str] | None = None
         self._failure = ""  # why the IMEX part is not running; "" while it runs
+        self._files_failure = ""  # why the nodes or hosts file cannot be written; "" while they can
 
     async def run(self, stop: asyncio.Event) -> None:
         if self._dns_names:
@@ -225,25 +226,42 @@ class ImexDaemon:
         mine = next((n for n in entries if n.node_name == self._me.node_name), None)
         if mine is None or mine.ip_address != self._me.ip_address:
             self._reported = None  # our entry was pruned or is stale: enter again
-        if self._dns_names:
-            peers = self._peers_by_name(entries, mine)
-            quorum = True  # NVIDIA's daemons with DNS names start without waiting for numNodes
-        else:
-            peers = [
-                n.ip_address
-                for n in sorted(entries, key=lambda n: (n.index, n.node_name))
-                if n.node_name != self._me.node_name and n.ip_address
-            ]
-            _write_if_changed(self._nodes_file, sorted({self._me.ip_address, *peers}), "nodes config")
-            quorum = len(peers) + 1 >= max(self._me.num_nodes, 1)
+        try:
+            peers, quorum = self._peers(entries, mine)
+            self._files_failure = ""
+        except OSError as error:  # e.g. a read-only /etc/hosts: not ready, and the entry says why
+            peers, quorum = [], False
+            self._files_failure = (
+                f"IMEX daemon cannot write {error.filename}: {os.strerror(error.errno or 0)}"
+            )
         for address in peers:
             if address not in self._links:
                 self._links[address] = asyncio.create_task(self._link(address))
         for address in [a for a in self._links if a not in peers]:
             self._links.pop(address).cancel()
             self._connected.discard(address)
-        ready = not self._failure and quorum and all(a in self._connected for a in peers)
+        ready = not self._why_not and quorum and all(a in self._connected for a in peers)
         await self._report(DomainStatus.READY if ready else DomainStatus.NOT_READY)
+
+    @property
+    def _why_not(self) -> str:
+        """Why this daemon cannot be ready whatever its peers do ("" when nothing stands in the way)."""
+        return self._failure or self._files_failure
+
+    def _peers(
+        self, entries: list[ComputeDomainDaemonInfo], mine: ComputeDomainDaemonInfo | None
+    ) -> tuple[list[str], bool]:
+        """The peers' addresses, with the files that name them brought up to date, and whether there
+        are enough of them (with DNS names always: NVIDIA's daemons do not wait for numNodes)."""
+        if self._dns_names:
+            return self._peers_by_name(entries, mine), True
+        peers = [
+            n.ip_address
+            for n in sorted(entries, key=lambda n: (n.index, n.node_name))
+            if n.node_name != self._me.node_name and n.ip_address
+        ]
+        _write_if_changed(self._nodes_file, sorted({self._me.ip_address, *peers}), "nodes config")
+        return peers, len(peers) + 1 >= max(self._me.num_nodes, 1)
 
     def _peers_by_name(
         self, entries: list[ComputeDomainDaemonInfo], mine: ComputeDomainDaemonInfo | None
@@ -302,10 +320,10 @@ class ImexDaemon:
             writer.close()
 
     async def _report(self, status: DomainStatus) -> None:
-        if (status, self._failure) == self._reported:
+        if (status, self._why_not) == self._reported:
             return
-        await self._update_entry(status, self._failure)
-        self._reported = (status, self._failure)
+        await self._update_entry(status, self._why_not)
+        self._reported = (status, self._why_not)
         log.info("reported to the ComputeDomain", status=status.value, node=self._me.node_name)
 
     async def _update_entry(self, status: DomainStatus | None, message: str = "") -> None:

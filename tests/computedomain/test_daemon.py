@@ -193,3 +193,21 @@ def test_a_daemon_whose_imex_part_cannot_start_says_why_and_recovers(tmp_path: P
     finally:
         with contextlib.suppress(OSError):
             squatter.close()
+
+
+def test_a_daemon_that_cannot_write_its_hosts_file_says_so(tmp_path: Path) -> None:
+    api = FakeApi()
+    a1 = daemon(api, tmp_path, "a1", "10.0.0.1")
+    a1._hosts_file = tmp_path / "no-such-directory" / "hosts"
+    (tmp_path / "a1" / "nodes_config.cfg").write_text("compute-domain-daemon-0000\n")
+
+    async def scenario() -> None:
+        await a1._update_entry(DomainStatus.NOT_READY)
+        await a1._tick()
+
+    asyncio.run(scenario())
+    (entry,) = api.objects[PATH]["daemons"]
+    assert entry["status"] == "NotReady"
+    assert entry["message"] == (
+        f"IMEX daemon cannot write {tmp_path}/no-such-directory/hosts: No such file or directory"
+    )
