@@ -254,7 +254,10 @@ class DaemonPodRunner:
         claim_uid = cdi_id.split("=", 1)[1].removesuffix("-daemon-0")
         spec_file = self.nodes[node].driver.paths.cdi / f"k8s.{CD_DRIVER}-claim_{claim_uid}.json"
         spec = json.loads(spec_file.read_text())
-        env: dict[str, str] = {}
+        # The container's own variables with plain values (the DaemonSet's, from the controller),
+        # then the CDI spec's, then what the downward API would give: as containerd composes them.
+        (container,) = pod["spec"]["containers"]
+        env: dict[str, str] = {e["name"]: e["value"] for e in container.get("env") or [] if "value" in e}
         for entry in [
             *spec.get("containerEdits", {}).get("env", []),
             *(e for d in spec["devices"] for e in d["containerEdits"].get("env", [])),
@@ -273,10 +276,29 @@ class DaemonPodRunner:
             DRA_IMEX_CONFIG_DIR=mount["hostPath"],
             DRA_IMEX_SERVER_PORT=str(self.port),
             DRA_LOG_FORMAT="console",
+            DRA_HOSTS_FILE=str(self._hosts_file(node, pod)),
         )
         self._running[node] = _Running(
             pod["metadata"]["uid"], self._spawn(node, env, mount["hostPath"]), env, mount["hostPath"]
         )
+
+    def hosts_file(self, node: str) -> Path:
+        """The /etc/hosts of the daemon pod on `node` (the kubelet writes one per pod)."""
+        return self.log_dir / f"hosts-{node}"
+
+    def _hosts_file(self, node: str, pod: dict) -> Path:
+        """A fresh pod's /etc/hosts as the kubelet writes it: localhost and the pod's own name."""
+        path = self.hosts_file(node)
+        path.write_text(
+            "# Kubernetes-managed hosts file.\n127.0.0.1\tlocalhost\n"
+            f"{self.pod_ips[node]}\t{pod['metadata']['name']}\n"
+        )
+        return path
+
+    def config_dir(self, node: str) -> Path:
+        """The daemon's /imexd on `node` (its CDI mount's host path)."""
+        with self._lock:
+            return Path(self._running[node].config_dir)
 
     def _spawn(self, node: str, env: dict[str, str], config_dir: str) -> subprocess.Popen[bytes]:
         child, _ = processes.spawn(

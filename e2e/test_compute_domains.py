@@ -3,8 +3,11 @@ for what is real here and what plays the container runtime of the IMEX daemon po
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,6 +18,7 @@ import pytest
 import yaml
 from kubernetes import client
 
+from dra_driver.computedomain.plugin import SIMULATED_CHANNEL_MAJOR
 from e2e import manifests
 from e2e.cluster import ApiError, ClusterInfo, RestClient
 from e2e.cluster.binaries import REPO_ROOT, ControlPlaneBinaries, build_outputs
@@ -316,6 +320,17 @@ def test_a_two_node_domain_runs_its_job_on_one_clique_and_cleans_up(rack: Rack, 
     assert sorted((d["nodeName"], d["status"]) for d in clique["daemons"]) == [(h, "Ready") for h in hosts]
     daemon_pods = {p["metadata"]["uid"] for p in _pods(rest, rack.driver_namespace, LABEL)}
     assert {o["uid"] for o in clique["metadata"]["ownerReferences"]} == daemon_pods
+    # The daemons address each other by DNS name (NVIDIA's IMEXDaemonsWithDNSNames, on by default):
+    # a fixed nodes file, and each pod's /etc/hosts mapping the names to the clique's addresses.
+    index = {d["nodeName"]: d["index"] for d in clique["daemons"]}
+    assert sorted(index.values()) == [0, 1]
+    for host in hosts:
+        nodes_file = (rack.runner.config_dir(host) / "nodes_config.cfg").read_text().split()
+        assert nodes_file == [f"compute-domain-daemon-{i:04d}" for i in range(18)]
+        etc_hosts = rack.runner.hosts_file(host).read_text()
+        assert "127.0.0.1\tlocalhost\n" in etc_hosts  # the kubelet's lines stay
+        for peer in hosts:
+            assert f"{rack.runner.pod_ips[peer]}\tcompute-domain-daemon-{index[peer]:04d}\n" in etc_hosts
 
     # A third worker finds no node: the clique's two channels are taken and the other clique is not
     # the domain's. It waits, unscheduled.
@@ -569,56 +584,94 @@ def test_a_channel_outside_a_domain_is_refused_with_what_to_do(
     client.CoreV1Api(api).delete_namespaced_pod("loose", namespace, grace_period_seconds=0)
 
 
-def test_a_daemon_that_never_becomes_ready_shows_in_the_status(
+def test_a_failing_imex_daemon_keeps_the_domain_not_ready_and_says_why(
     rack: Rack, namespace: str, api: client.ApiClient
 ) -> None:
-    """numNodes 2 but one worker only: its daemon waits for a peer that never comes."""
+    """NVIDIA #289: a domain must not turn Ready while its IMEX daemon fails. Here the daemon's peer
+    port is taken on every tray, so its IMEX part cannot start; once the port is free it recovers."""
     rest = rack.rest
-    domain = {
-        "apiVersion": "resource.nvidia.com/v1beta1",
-        "kind": "ComputeDomain",
-        "metadata": {"name": "half"},
-        "spec": {"numNodes": 2, "channel": {"resourceClaimTemplate": {"name": "half-channel"}}},
-    }
-    rest.create(domains_path(namespace), domain)
-    rest.wait_for(
-        f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates",
-        "half-channel",
-        lambda _: True,
-    )
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "lonely"},
-        "spec": {
-            "containers": [
-                {"name": "ctr", "image": "ubuntu:24.04", "resources": {"claims": [{"name": "channel"}]}}
-            ],
-            "resourceClaims": [{"name": "channel", "resourceClaimTemplateName": "half-channel"}],
-        },
-    }
-    manifests.apply(rest, [pod], namespace)
-    stuck = wait(
-        lambda: (
-            _ready_condition(d := _domain(rest, namespace, "half")).get("reason") == "DaemonNotReady" and d
-        ),
-        timeout=READY_TIMEOUT + 60,
-        what="the DaemonNotReady condition",
-    )
-    assert "is not ready after 15s" in _ready_condition(stuck)["message"]
-    assert [e["reason"] for e in _events(rest, namespace, "half")].count("DaemonNotReady") == 1
-    # The pod waits in the meantime: prepare holds it until its daemon is ready.
-    assert rest.get(f"/api/v1/namespaces/{namespace}/pods/lonely")["status"].get("phase") == "Pending"
+    squatters = []
+    for node in CLIQUES:
+        squatter = socket.socket()
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind((rack.runner.pod_ips[node], rack.runner.port))
+        squatter.listen()
+        squatters.append(squatter)
+    try:
+        domain = {
+            "apiVersion": "resource.nvidia.com/v1beta1",
+            "kind": "ComputeDomain",
+            "metadata": {"name": "failing"},
+            "spec": {"numNodes": 1, "channel": {"resourceClaimTemplate": {"name": "failing-channel"}}},
+        }
+        rest.create(domains_path(namespace), domain)
+        rest.wait_for(
+            f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates",
+            "failing-channel",
+            lambda _: True,
+        )
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "waiting"},
+            "spec": {
+                "containers": [
+                    {"name": "ctr", "image": "ubuntu:24.04", "resources": {"claims": [{"name": "channel"}]}}
+                ],
+                "resourceClaims": [{"name": "channel", "resourceClaimTemplateName": "failing-channel"}],
+            },
+        }
+        manifests.apply(rest, [pod], namespace)
+        failed = wait(
+            lambda: (
+                _ready_condition(d := _domain(rest, namespace, "failing")).get("reason") == "DaemonFailed"
+                and d
+            ),
+            timeout=90,
+            what="the DaemonFailed condition",
+        )
+        node = rest.get(f"/api/v1/namespaces/{namespace}/pods/waiting")["spec"]["nodeName"]
+        address = f"{rack.runner.pod_ips[node]}:{rack.runner.port}"
+        assert _ready_condition(failed)["message"] == (
+            f"the IMEX daemon on node {node} failed: IMEX daemon cannot listen on {address}: "
+            "Address already in use; retrying"
+        )
+        assert failed["status"]["status"] == "NotReady"
+        assert [(n["name"], n["status"]) for n in failed["status"]["nodes"]] == [(node, "NotReady")]
+        (event,) = [e for e in _events(rest, namespace, "failing") if e["reason"] == "DaemonFailed"]
+        assert event["type"] == "Warning"
+        # It stays so past the readiness timeout, and the workload waits: prepare holds it until
+        # its node's daemon is ready.
+        time.sleep(READY_TIMEOUT + 3)
+        still = _domain(rest, namespace, "failing")
+        assert still["status"]["status"] == "NotReady"
+        assert _ready_condition(still)["reason"] == "DaemonFailed"
+        assert rest.get(f"/api/v1/namespaces/{namespace}/pods/waiting")["status"].get("phase") == "Pending"
+    finally:
+        for squatter in squatters:
+            squatter.close()
 
-    rest.delete(domains_path(namespace, "half"))
-    client.CoreV1Api(api).delete_namespaced_pod("lonely", namespace, grace_period_seconds=0)
+    # The port is free again: the daemon's next try starts, the domain turns Ready, the pod runs.
+    wait(
+        lambda: _domain(rest, namespace, "failing")["status"]["status"] == "Ready",
+        timeout=60,
+        what="the domain to recover",
+    )
+    assert _ready_condition(_domain(rest, namespace, "failing"))["reason"] == "DaemonsReady"
+    wait(
+        lambda: rest.get(f"/api/v1/namespaces/{namespace}/pods/waiting")["status"].get("phase") == "Running",
+        timeout=60,
+        what="the workload to run",
+    )
+    assert rack.runner.restarts(node) == 0  # the daemon process never exited: it retried
+
+    rest.delete(domains_path(namespace, "failing"))
+    client.CoreV1Api(api).delete_namespaced_pod("waiting", namespace, grace_period_seconds=0)
     wait(lambda: not rest.request("GET", domains_path(namespace))["items"], timeout=90, what="deletion")
     wait(lambda: not _labelled_nodes(rest), timeout=60, what="the node label to go")
     wait(lambda: not rack.runner.running_on(), timeout=60, what="the daemon to stop")
     assert not rest.request("GET", f"/apis/apps/v1/namespaces/{rack.driver_namespace}/daemonsets")["items"]
     wait(lambda: not _cliques(rack), timeout=30, what="the domain's clique to go")
-    templates = rest.request("GET", "/apis/resource.k8s.io/v1/resourceclaimtemplates")["items"]
-    assert not [t for t in templates if LABEL in (t["metadata"].get("labels") or {})]
 
 
 def test_of_two_controllers_one_leads_and_a_killed_leader_hands_over(rack: Rack, namespace: str) -> None:
@@ -678,3 +731,200 @@ def test_of_two_controllers_one_leads_and_a_killed_leader_hands_over(rack: Rack,
     assert "released the leader lease" in standby.log()
     wait(lambda: leader.leading, timeout=30, what="the other replica to take the released Lease")
     standby.start()  # the rack keeps its two replicas
+
+
+# NVIDIA's own ComputeDomain manifests, unchanged: demo/specs/imex/channel-injection.yaml and
+# channel-injection-all.yaml of kubernetes-sigs/dra-driver-nvidia-gpu ...
+NVIDIA_CHANNEL_INJECTION = """
+---
+apiVersion: resource.nvidia.com/v1beta1
+kind: ComputeDomain
+metadata:
+  name: imex-channel-injection
+spec:
+  numNodes: 1
+  channel:
+    resourceClaimTemplate:
+      name: imex-channel-0
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: imex-channel-injection
+spec:
+  containers:
+  - name: ctr
+    image: ubuntu:22.04
+    command: ["bash", "-c"]
+    args: ["ls -la /dev/nvidia-caps-imex-channels; trap 'exit 0' TERM; sleep 9999 & wait"]
+    resources:
+      claims:
+      - name: imex-channel-0
+  resourceClaims:
+  - name: imex-channel-0
+    resourceClaimTemplateName: imex-channel-0
+"""
+NVIDIA_CHANNEL_INJECTION_ALL = """
+---
+apiVersion: resource.nvidia.com/v1beta1
+kind: ComputeDomain
+metadata:
+  name: imex-channel-injection-all
+spec:
+  numNodes: 1
+  channel:
+    allocationMode: All
+    resourceClaimTemplate:
+      name: tpl-imex-channels
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: imex-channel-injection-all
+spec:
+  containers:
+  - name: ctr
+    image: ubuntu:22.04
+    command: ["bash", "-c"]
+    args: ["ls -la /dev/nvidia-caps-imex-channels; trap 'exit 0' TERM; sleep 9999 & wait"]
+    resources:
+      claims:
+      - name: imex-channels
+  resourceClaims:
+  - name: imex-channels
+    resourceClaimTemplateName: tpl-imex-channels
+"""
+# ... and the ComputeDomain and workload of its guide (site/content/docs/guides/
+# compute-domain-workloads.md): numNodes 0, as recommended with IMEXDaemonsWithDNSNames. Its template
+# name is the demo's, so it goes into a namespace of its own.
+NVIDIA_GUIDE = """
+apiVersion: resource.nvidia.com/v1beta1
+kind: ComputeDomain
+metadata:
+  name: my-compute-domain
+spec:
+  numNodes: 0
+  channel:
+    resourceClaimTemplate:
+      name: imex-channel-0
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: my-workload
+spec:
+  containers:
+  - name: app
+    image: my-image
+    command: ["bash", "-c"]
+    args: ["ls -la /dev/nvidia-caps-imex-channels; sleep 9999"]
+    resources:
+      claims:
+      - name: imex-channel-0
+  resourceClaims:
+  - name: imex-channel-0
+    resourceClaimTemplateName: imex-channel-0
+"""
+
+
+def _apply(rest: RestClient, text: str, namespace: str) -> list[dict[str, Any]]:
+    """Creates every object of `text` in `namespace`, as `kubectl apply -f` does: one after the other."""
+    objects = [o for o in yaml.safe_load_all(text) if o]
+    for obj in objects:
+        if obj["kind"] == "ComputeDomain":
+            rest.create(domains_path(namespace), obj)
+        else:
+            rest.create(manifests.collection(obj["kind"], namespace), obj)
+    return objects
+
+
+def _channel_nodes(rack: Rack, namespace: str, pod: dict[str, Any]) -> list[dict[str, Any]]:
+    """The device nodes the CDI spec of the pod's one channel claim gives its container."""
+    (status,) = pod["status"]["resourceClaimStatuses"]
+    claim = rack.rest.get(
+        f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{status['resourceClaimName']}"
+    )
+    spec = (
+        rack.nodes[pod["spec"]["nodeName"]].driver.paths.cdi
+        / f"k8s.{CD_DRIVER}-claim_{claim['metadata']['uid']}.json"
+    )
+    (device,) = json.loads(spec.read_text())["devices"]
+    nodes: list[dict[str, Any]] = device["containerEdits"]["deviceNodes"]
+    return nodes
+
+
+def test_nvidias_own_compute_domain_examples_run_unchanged_applied_together(
+    rack: Rack, namespace: str, api: client.ApiClient
+) -> None:
+    """NVIDIA's demo specs for both channel modes and its guide's domain, created in one go before any
+    workload has landed: each domain gets a node of its own, every pod runs with its channels."""
+    rest = rack.rest
+    guide_namespace = f"{namespace}-guide"
+    rest.create("/api/v1/namespaces", {"metadata": {"name": guide_namespace}})
+    try:
+        started = time.monotonic()
+        _apply(rest, NVIDIA_CHANNEL_INJECTION + NVIDIA_CHANNEL_INJECTION_ALL, namespace)
+        _apply(rest, NVIDIA_GUIDE, guide_namespace)
+        applied_in = time.monotonic() - started
+        assert applied_in < 2.0  # one apply: the controller sees all three before any workload lands
+        pods = {
+            (namespace, "imex-channel-injection"): "imex-channel-injection",
+            (namespace, "imex-channel-injection-all"): "imex-channel-injection-all",
+            (guide_namespace, "my-workload"): "my-compute-domain",
+        }
+
+        def all_running() -> dict[tuple[str, str], dict[str, Any]]:
+            found = {key: rest.get(f"/api/v1/namespaces/{key[0]}/pods/{key[1]}") for key in pods}
+            return found if all(p["status"].get("phase") == "Running" for p in found.values()) else {}
+
+        running = wait(all_running, timeout=180, what="the three example pods running")
+        hosts = {key: pod["spec"]["nodeName"] for key, pod in running.items()}
+        assert len(set(hosts.values())) == 3  # a node each: one node serves one domain
+        assert set(hosts.values()) <= set(CLIQUES)
+
+        # Single: channel 0; All: every channel of the node (the driver's default count, 2048).
+        single = _channel_nodes(rack, namespace, running[(namespace, "imex-channel-injection")])
+        assert [n["path"] for n in single] == ["/dev/nvidia-caps-imex-channels/channel0"]
+        every = _channel_nodes(rack, namespace, running[(namespace, "imex-channel-injection-all")])
+        assert [n["minor"] for n in every] == list(range(2048))
+        assert every[2047]["path"] == "/dev/nvidia-caps-imex-channels/channel2047"
+        all_host = running[(namespace, "imex-channel-injection-all")]["spec"]["nodeName"]
+        # The major number of the node's /proc/devices on a mock-NVML tray; the simulator's own.
+        major = IMEX_CHANNEL_MAJOR if all_host in NVML_TRAYS else SIMULATED_CHANNEL_MAJOR
+        assert {n["major"] for n in every} == {major}
+        guide = _channel_nodes(rack, guide_namespace, running[(guide_namespace, "my-workload")])
+        assert [n["path"] for n in guide] == ["/dev/nvidia-caps-imex-channels/channel0"]
+
+        # Every domain is Ready with its one node; numNodes 0 counts the nodes that joined.
+        for (ns, pod_name), domain_name in pods.items():
+            ready = wait(
+                lambda ns=ns, domain_name=domain_name: (
+                    (d := _domain(rest, ns, domain_name)).get("status", {}).get("status") == "Ready" and d
+                ),
+                timeout=90,
+                what=f"{domain_name} to become Ready",
+            )
+            host = hosts[(ns, pod_name)]
+            assert [(n["name"], n["cliqueID"], n["status"]) for n in ready["status"]["nodes"]] == [
+                (host, rack.clique_of(host), "Ready")
+            ]
+    finally:
+        for ns, pod_name in (
+            (namespace, "imex-channel-injection"),
+            (namespace, "imex-channel-injection-all"),
+            (guide_namespace, "my-workload"),
+        ):
+            with contextlib.suppress(client.ApiException):
+                client.CoreV1Api(api).delete_namespaced_pod(pod_name, ns, grace_period_seconds=0)
+        for ns in (namespace, guide_namespace):
+            for item in rest.request("GET", domains_path(ns))["items"]:
+                rest.delete(domains_path(ns, item["metadata"]["name"]))
+    both = (namespace, guide_namespace)
+    wait(
+        lambda: not any(rest.request("GET", domains_path(ns))["items"] for ns in both),
+        timeout=180,
+        what="the domains to be deleted",
+    )
+    wait(lambda: not _labelled_nodes(rest), timeout=60, what="the node labels to go")
+    wait(lambda: not rack.runner.running_on(), timeout=60, what="the IMEX daemons to stop")
+    rest.delete(f"/api/v1/namespaces/{guide_namespace}")

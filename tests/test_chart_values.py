@@ -632,12 +632,19 @@ GATED_VALUES = {
     "DeviceMetadata": "deviceMetadata",
 }
 # NVIDIA's gates for what this driver always does: true is accepted, false refused.
-ALWAYS_ON = ("TimeSlicingSettings", "NVMLDeviceHealthCheck")
+ALWAYS_ON = ("TimeSlicingSettings", "NVMLDeviceHealthCheck", "ComputeDomainCliques")
 
 
 def test_feature_gates_are_named_after_settings_or_are_nvidias() -> None:
     gates = set(LEAVES["featureGates"]["propertyNames"]["enum"])
-    assert gates == {*GATED_VALUES, "DynamicMIG", "MPSSupport", *ALWAYS_ON, "PassthroughSupport"}
+    nvidias = {
+        "DynamicMIG",
+        "MPSSupport",
+        "PassthroughSupport",
+        "IMEXDaemonsWithDNSNames",
+        "HostManagedIMEXDaemon",
+    }
+    assert gates == {*GATED_VALUES, *nvidias, *ALWAYS_ON}
     for gate, value in GATED_VALUES.items():
         assert gate == value[0].upper() + value[1:]
         assert value in SETTING_OF_VALUE, f"{gate} switches {value}, which is no setting of the daemon"
@@ -680,7 +687,13 @@ def test_under_nvidias_name_dynamic_mig_true_means_every_gpu(helm: Path) -> None
 
 
 def test_nvidias_gates_for_what_the_driver_always_does_are_accepted(helm: Path) -> None:
-    gates = {**dict.fromkeys(ALWAYS_ON, True), "MPSSupport": True, "PassthroughSupport": False}
+    gates = {
+        **dict.fromkeys(ALWAYS_ON, True),
+        "MPSSupport": True,
+        "PassthroughSupport": False,
+        "IMEXDaemonsWithDNSNames": True,
+        "HostManagedIMEXDaemon": False,
+    }
     assert render(helm, {"featureGates": gates}) == render(helm)
 
 
@@ -721,9 +734,30 @@ def test_passthrough_is_refused_with_the_reason(helm: Path) -> None:
     assert "featureGates.PassthroughSupport=true: VFIO passthrough is not supported" in error
 
 
+def test_nvidias_dns_names_gate_wins_over_its_value_and_reaches_the_controller(helm: Path) -> None:
+    def controller_env(manifests: list[Manifest]) -> dict[str, Any]:
+        (deployment,) = [
+            d for d in of_kind(manifests, "Deployment") if d["metadata"]["name"].endswith("-controller")
+        ]
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        return {e["name"]: e for e in container["env"]}
+
+    assert controller_env(render(helm))["DRA_IMEX_DAEMONS_WITH_DNS_NAMES"]["value"] == "true"
+    off = {"computeDomainController": {"imexDaemonsWithDNSNames": False}}
+    assert controller_env(render(helm, off))["DRA_IMEX_DAEMONS_WITH_DNS_NAMES"]["value"] == "false"
+    by_gate = render(helm, {**off, "featureGates": {"IMEXDaemonsWithDNSNames": True}})
+    assert by_gate == render(helm)
+    assert render(helm, {"featureGates": {"IMEXDaemonsWithDNSNames": False}}) == render(helm, off)
+
+
+def test_the_host_managed_imex_mode_is_refused_with_the_reason(helm: Path) -> None:
+    error = render_error(helm, {"featureGates": {"HostManagedIMEXDaemon": True}})
+    assert "featureGates.HostManagedIMEXDaemon=true: the host-managed IMEX mode is not supported" in error
+
+
 def test_an_unknown_feature_gate_is_refused(helm: Path) -> None:
-    error = render_error(helm, {"featureGates": {"ComputeDomainCliques": True}})
-    assert "invalid propertyName 'ComputeDomainCliques'" in error
+    error = render_error(helm, {"featureGates": {"NoSuchGate": True}})
+    assert "invalid propertyName 'NoSuchGate'" in error
     assert "value must be one of 'ComputeDomains', 'MaintenanceDevices', 'NodeLabels'" in error
 
 

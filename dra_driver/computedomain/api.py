@@ -160,6 +160,8 @@ class ComputeDomainDaemonInfo(_Model):
     clique_id: str = Field(default="", alias="cliqueID")
     index: int = 0
     status: DomainStatus = DomainStatus.NOT_READY
+    # Ours, beside NVIDIA's fields: why the daemon is not ready when it knows (its IMEX part failed).
+    message: str = ""
 
     def as_node(self) -> dict[str, Any]:
         """The same daemon as an entry of the ComputeDomain's ``status.nodes``."""

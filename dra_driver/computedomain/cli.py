@@ -30,6 +30,12 @@ _COMMON: list[tuple[str, Any, str]] = [
     ("log_format", LogFormat.AUTO.value, "auto, json or console"),
     ("log_level", "info", "debug, info, warning or error"),
 ]
+# NVIDIA's IMEXDaemonsWithDNSNames: the controller hands it to the daemons (their DaemonSet's env).
+_DNS_NAMES = (
+    "imex_daemons_with_dns_names",
+    True,
+    "IMEX daemons find their peers by fixed DNS names in /etc/hosts, not by IP addresses",
+)
 _CONTROLLER: list[tuple[str, Any, str]] = [
     ("namespace", "", "namespace of the IMEX daemons' DaemonSets and claim templates (the controller's own)"),
     ("daemon_image", "", "image of the IMEX daemon pods (the driver's image)"),
@@ -37,10 +43,13 @@ _CONTROLLER: list[tuple[str, Any, str]] = [
     ("resync_seconds", 600.0, "every object is reconciled at least this often"),
     ("lease_name", "compute-domain-controller", "the Lease (in --namespace) the replicas elect a leader on"),
     ("lease_duration_seconds", 15.0, "a leader not renewing its Lease for this long is replaced"),
+    _DNS_NAMES,
 ]
 _DAEMON: list[tuple[str, Any, str]] = [
     ("imex_config_dir", "/imexd", "where prepare mounted the daemon's imexd.cfg and nodes_config.cfg"),
     ("imex_server_port", 0, "peer port instead of imexd.cfg's SERVER_PORT (0: the file's)"),
+    _DNS_NAMES,
+    ("hosts_file", "/etc/hosts", "the hosts file the daemon keeps the DNS names of its peers in"),
 ]
 
 
@@ -61,11 +70,20 @@ def _add_flags(parser: argparse.ArgumentParser, flags: list[tuple[str, Any, str]
         parser.add_argument(
             "--" + name.replace("_", "-"),
             dest=name,
-            type=type(default),
+            type=boolean if isinstance(default, bool) else type(default),
             # A string default goes through `type` too, so a bad variable fails like a bad flag.
             default=os.environ.get(env, str(default)),
             help=f"{help_text} [env {env}; default {default}]",
         )
+
+
+def boolean(text: str) -> bool:
+    """A boolean flag's or variable's text, as Go's strconv.ParseBool reads it (NVIDIA's gates)."""
+    if text.lower() in ("1", "t", "true"):
+        return True
+    if text.lower() in ("0", "f", "false"):
+        return False
+    raise ValueError(f"{text!r} is not true or false")
 
 
 async def _api(kubeconfig: str) -> kube.ApiClient:
@@ -129,6 +147,7 @@ def _controller(args: argparse.Namespace) -> int:
                 daemon_image=args.daemon_image,
                 daemon_ready_timeout=args.daemon_ready_timeout_seconds,
                 resync_seconds=args.resync_seconds,
+                dns_names=args.imex_daemons_with_dns_names,
             )
             # Only the Lease's holder reconciles; a replica that loses it exits (and is restarted).
             await LeaderElector(JsonApi(api), lease).run(controller.run)
@@ -152,7 +171,12 @@ def _daemon(args: argparse.Namespace) -> int:
         api = await _api(args.kubeconfig)
         try:
             await run_daemon(
-                api, Names(args.driver_name), Path(args.imex_config_dir), args.imex_server_port or None
+                api,
+                Names(args.driver_name),
+                Path(args.imex_config_dir),
+                args.imex_server_port or None,
+                dns_names=args.imex_daemons_with_dns_names,
+                hosts_file=Path(args.hosts_file),
             )
         finally:
             await api.close()  # type: ignore[no-untyped-call]

@@ -54,6 +54,7 @@ from dra_driver.computedomain.objects import (
     channel_template,
     choose_clique,
     condition,
+    daemon_failures,
     daemon_object_name,
     daemon_set,
     daemon_template,
@@ -93,6 +94,7 @@ class ComputeDomainController:
         daemon_ready_timeout: float = 300.0,
         resync_seconds: float = 600.0,
         workers: int = 2,
+        dns_names: bool = True,
     ) -> None:
         self.names = Names(gpu_driver)
         self._kube = JsonApi(api)
@@ -101,6 +103,7 @@ class ComputeDomainController:
         self._ready_timeout = daemon_ready_timeout
         self._resync = resync_seconds
         self._workers = workers
+        self._dns_names = dns_names
         self.queue = WorkQueue()
         self._keys: dict[str, str] = {}  # domain uid -> namespace/name
         self._not_ready_since: dict[tuple[str, str], float] = {}  # (uid, node) -> monotonic time
@@ -283,20 +286,34 @@ class ComputeDomainController:
             self._daemon_template_path(domain), daemon_template(self.names, domain, self._namespace, clique)
         )
         await self._ensure(
-            self._daemon_set_path(domain), daemon_set(self.names, domain, self._namespace, self._image)
+            self._daemon_set_path(domain),
+            daemon_set(self.names, domain, self._namespace, self._image, dns_names=self._dns_names),
         )
         if template is None:
             await self._ensure(template_path, channel_template(self.names, domain, clique))
             log.info("ComputeDomain set up", domain=key, clique=clique)
 
         members = await self._member_nodes(domain.metadata.uid)
-        if await self._sync_nodes(path, obj, domain, members):
+        listed = await self._kube.list(
+            self._cliques_path, labelSelector=f"{self.names.label}={domain.metadata.uid}"
+        )
+        cliques: list[Json] = listed.get("items") or []
+        if await self._sync_nodes(path, domain, members, cliques):
             return 0.0  # read the new status afresh
-        return await self._judge(path, obj, domain, clique, members)
+        failures = {node: why for node, why in daemon_failures(cliques).items() if node in members}
+        return await self._judge(path, obj, domain, clique, members, failures)
 
     async def _judge(
-        self, path: str, obj: Json, domain: ComputeDomain, clique: str, members: set[str]
+        self,
+        path: str,
+        obj: Json,
+        domain: ComputeDomain,
+        clique: str,
+        members: set[str],
+        failures: dict[str, str],
     ) -> float | None:
+        """The domain's Ready condition: ready, a daemon failed (at once, with its reason), a daemon
+        late (after the timeout), or waiting for daemons."""
         uid = domain.metadata.uid
         ready = {n.name for n in domain.status.nodes if n.status is DomainStatus.READY}
         now = time.monotonic()
@@ -316,6 +333,11 @@ class ComputeDomainController:
         status = overall_status(domain, clique)
         if status is DomainStatus.READY:
             reason, message = "DaemonsReady", f"{len(ready)} IMEX daemon(s) ready on clique {clique}"
+        elif failures:
+            reason = "DaemonFailed"
+            message = "; ".join(
+                f"the IMEX daemon on node {node} failed: {why}" for node, why in sorted(failures.items())
+            )
         elif late:
             reason = "DaemonNotReady"
             message = (
@@ -410,16 +432,14 @@ class ComputeDomainController:
             for item in listed.get("items") or []
         }
 
-    async def _sync_nodes(self, path: str, obj: Json, domain: ComputeDomain, members: set[str]) -> bool:
+    async def _sync_nodes(
+        self, path: str, domain: ComputeDomain, members: set[str], cliques: list[Json]
+    ) -> bool:
         """Mirror the domain's ComputeDomainCliques into ``status.nodes``; True if anything changed.
 
         An entry of a node that left the domain (its workload ended, the node label went) is first
         removed from its clique, as NVIDIA's controller removes the entries of departed daemons.
         """
-        listed = await self._kube.list(
-            self._cliques_path, labelSelector=f"{self.names.label}={domain.metadata.uid}"
-        )
-        cliques: list[Json] = listed.get("items") or []
         for item in cliques:
             kept = pruned_daemons(item, members)
             if kept is not None:

@@ -12,9 +12,21 @@ so this process plays its part in the protocol the rest of the system sees, and 
    nodes file current with the peers listed there (the controller copies the entries into the
    domain's ``status.nodes``);
 3. it listens on its peer port and connects to every peer in the nodes file; once it holds a
-   connection to each and the domain has ``numNodes`` members on its clique, it reports Ready;
+   connection to each, it reports Ready;
 4. losing a peer (its connection ends) makes it NotReady until the peer is back;
 5. on SIGTERM it removes its own entry and exits 0.
+
+How it names its peers is NVIDIA's ``IMEXDaemonsWithDNSNames`` (on by default, see
+:mod:`dra_driver.computedomain.dnsnames`): the nodes file lists 18 fixed DNS names, the daemon keeps
+its pod's ``/etc/hosts`` mapping them to the clique's current addresses, resolves its peers through
+that file, and reports Ready without waiting for ``numNodes`` peers (only the domain's status waits
+for them). With it off, the nodes file holds the peers' IP addresses and the daemon is Ready only once
+``numNodes`` of them are there.
+
+A daemon whose IMEX part cannot start (its peer port taken, say) does not exit: like NVIDIA's
+wrapper restarting a crashed ``nvidia-imex``, it tries again every few seconds, and until then its
+entry says NotReady with the error in ``message``, which the controller puts into the domain's
+``Ready`` condition (reason ``DaemonFailed``).
 
 Each daemon writes only its own entry, with the object's resourceVersion, so concurrent writers
 retry instead of losing each other's entries.
@@ -34,13 +46,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
+from pydantic import ValidationError
 
 from dra_driver.computedomain.api import (
     CLIQUE_KIND,
     CLIQUE_PLURAL,
+    ComputeDomainDaemonInfo,
     DomainStatus,
     Names,
     clique_object_name,
+)
+from dra_driver.computedomain.dnsnames import (
+    dns_name,
+    hosts_file_text,
+    name_to_address,
+    resolve,
+    static_nodes_config,
 )
 from dra_driver.computedomain.node import DAEMON_CONFIG, DAEMON_CONFIG_DIR, IMEX_SERVER_PORT, NODES_CONFIG
 from dra_driver.kube import ApiClient
@@ -50,6 +71,7 @@ log = structlog.get_logger(__name__)
 
 _POLL_S = 0.5
 _RECONNECT_S = 0.5
+_RESTART_S = 2.0  # a failed IMEX part is started again this often, as NVIDIA's watchdog does
 
 
 @dataclass(frozen=True)
@@ -121,6 +143,8 @@ class ImexDaemon:
         config_dir: Path,
         *,
         port: int | None = None,
+        dns_names: bool = True,
+        hosts_file: Path = Path("/etc/hosts"),
     ) -> None:
         self._kube = JsonApi(api)
         self._names = names
@@ -134,21 +158,27 @@ class ImexDaemon:
         self._collection = f"/apis/{names.api_version}/namespaces/{identity.pod_namespace}/{CLIQUE_PLURAL}"
         self._name = clique_object_name(identity.domain_uid, identity.clique)
         self._path = f"{self._collection}/{self._name}"
+        self._dns_names = dns_names
+        self._hosts_file = hosts_file
         self._links: dict[str, asyncio.Task[None]] = {}
         self._connected: set[str] = set()
-        self._reported: DomainStatus | None = None
+        self._reported: tuple[DomainStatus, str] | None = None
+        self._failure = ""  # why the IMEX part is not running; "" while it runs
+        self._files_failure = ""  # why the nodes or hosts file cannot be written; "" while they can
 
     async def run(self, stop: asyncio.Event) -> None:
-        server = await asyncio.start_server(self._accept, self._me.ip_address, self._port)
-        log.info(
-            "IMEX daemon (simulated) listening",
-            address=f"{self._me.ip_address}:{self._port}",
-            domain=self._me.domain_uid,
-            clique=self._me.clique,
-        )
+        if self._dns_names:
+            _write_atomically(self._nodes_file, static_nodes_config())
+            log.info("nodes config written: fixed DNS names", file=str(self._nodes_file))
+        server: asyncio.Server | None = None
+        next_start = 0.0
         try:
             await self._report(DomainStatus.NOT_READY)
             while not stop.is_set():
+                now = asyncio.get_running_loop().time()
+                if server is None and now >= next_start:
+                    server = await self._listen()
+                    next_start = now + _RESTART_S
                 try:
                     await self._tick()
                 except ApiError as error:
@@ -157,48 +187,104 @@ class ImexDaemon:
                     async with asyncio.timeout(_POLL_S):
                         await stop.wait()
         finally:
-            server.close()
+            if server is not None:
+                server.close()
             for task in self._links.values():
                 task.cancel()
             with contextlib.suppress(Exception):
                 await self._withdraw()
             log.info("IMEX daemon stopped", node=self._me.node_name)
 
+    async def _listen(self) -> asyncio.Server | None:
+        """Start the IMEX part (the peer listener); None, with the reason kept, if it cannot."""
+        address = f"{self._me.ip_address}:{self._port}"
+        try:
+            server = await asyncio.start_server(self._accept, self._me.ip_address, self._port)
+        except OSError as error:
+            why = os.strerror(error.errno) if error.errno else str(error)
+            failure = f"IMEX daemon cannot listen on {address}: {why}; retrying"
+            if failure != self._failure:
+                log.warning("IMEX daemon failed", error=failure)
+            self._failure = failure
+            return None
+        self._failure = ""
+        log.info(
+            "IMEX daemon (simulated) listening",
+            address=address,
+            domain=self._me.domain_uid,
+            clique=self._me.clique,
+        )
+        return server
+
     async def _tick(self) -> None:
         clique = await self._kube.get(self._path)
         if clique is None:
             self._reported = None  # not created yet (or removed): create it and enter again
-            entries: list[Json] = []
+            entries: list[ComputeDomainDaemonInfo] = []
         else:
-            entries = [n for n in clique.get("daemons") or [] if n.get("cliqueID") == self._me.clique]
-        mine = next((n for n in entries if n.get("nodeName") == self._me.node_name), None)
-        if mine is None or mine.get("ipAddress") != self._me.ip_address:
+            entries = _entries(clique, self._me.clique)
+        mine = next((n for n in entries if n.node_name == self._me.node_name), None)
+        if mine is None or mine.ip_address != self._me.ip_address:
             self._reported = None  # our entry was pruned or is stale: enter again
-        peers = sorted(
-            (n for n in entries if n.get("nodeName") != self._me.node_name and n.get("ipAddress")),
-            key=lambda n: (int(n.get("index") or 0), str(n.get("nodeName"))),
-        )
-        addresses = [self._me.ip_address, *(str(n["ipAddress"]) for n in peers)]
-        self._write_nodes_file(sorted(set(addresses)))
-        for address in addresses[1:]:
+        try:
+            peers, quorum = self._peers(entries, mine)
+            self._files_failure = ""
+        except OSError as error:  # e.g. a read-only /etc/hosts: not ready, and the entry says why
+            peers, quorum = [], False
+            self._files_failure = (
+                f"IMEX daemon cannot write {error.filename}: {os.strerror(error.errno or 0)}"
+            )
+        for address in peers:
             if address not in self._links:
                 self._links[address] = asyncio.create_task(self._link(address))
-        for address in [a for a in self._links if a not in addresses]:
+        for address in [a for a in self._links if a not in peers]:
             self._links.pop(address).cancel()
             self._connected.discard(address)
-        quorum = len(addresses) >= max(self._me.num_nodes, 1)
-        ready = quorum and all(a in self._connected for a in addresses[1:])
+        ready = not self._why_not and quorum and all(a in self._connected for a in peers)
         await self._report(DomainStatus.READY if ready else DomainStatus.NOT_READY)
 
-    def _write_nodes_file(self, addresses: list[str]) -> None:
-        text = "".join(f"{address}\n" for address in addresses)
-        with contextlib.suppress(FileNotFoundError):
-            if self._nodes_file.read_text() == text:
-                return
-        temp = self._nodes_file.with_name(f".{self._nodes_file.name}.tmp")
-        temp.write_text(text)
-        temp.replace(self._nodes_file)
-        log.info("nodes config updated", nodes=addresses)
+    @property
+    def _why_not(self) -> str:
+        """Why this daemon cannot be ready whatever its peers do ("" when nothing stands in the way)."""
+        return self._failure or self._files_failure
+
+    def _peers(
+        self, entries: list[ComputeDomainDaemonInfo], mine: ComputeDomainDaemonInfo | None
+    ) -> tuple[list[str], bool]:
+        """The peers' addresses, with the files that name them brought up to date, and whether there
+        are enough of them (with DNS names always: NVIDIA's daemons do not wait for numNodes)."""
+        if self._dns_names:
+            return self._peers_by_name(entries, mine), True
+        peers = [
+            n.ip_address
+            for n in sorted(entries, key=lambda n: (n.index, n.node_name))
+            if n.node_name != self._me.node_name and n.ip_address
+        ]
+        _write_if_changed(self._nodes_file, sorted({self._me.ip_address, *peers}), "nodes config")
+        return peers, len(peers) + 1 >= max(self._me.num_nodes, 1)
+
+    def _peers_by_name(
+        self, entries: list[ComputeDomainDaemonInfo], mine: ComputeDomainDaemonInfo | None
+    ) -> list[str]:
+        """The peers' addresses, found as ``nvidia-imex`` finds them: the names of the nodes file,
+        looked up in the hosts file, which is first brought in line with the clique's entries."""
+        names = name_to_address(entries, self._me.clique)
+        try:
+            current = self._hosts_file.read_text()
+        except FileNotFoundError:
+            current = ""
+        wanted = hosts_file_text(current, names)
+        if wanted != current:
+            # In place, not by rename: a container's /etc/hosts is a file bind-mounted by the kubelet.
+            self._hosts_file.write_text(wanted)
+            log.info("DNS names updated", hosts=str(self._hosts_file), names=dict(sorted(names.items())))
+        own = dns_name(mine.index) if mine is not None else None
+        addresses = []
+        for name in self._nodes_file.read_text().split():
+            address = resolve(wanted, name) if name != own else None
+            if address and address != self._me.ip_address:
+                addresses.append(address)
+        return addresses
 
     async def _link(self, address: str) -> None:
         """Hold a connection to one peer; its end means the peer is lost."""
@@ -234,13 +320,13 @@ class ImexDaemon:
             writer.close()
 
     async def _report(self, status: DomainStatus) -> None:
-        if status is self._reported:
+        if (status, self._why_not) == self._reported:
             return
-        await self._update_entry(status)
-        self._reported = status
+        await self._update_entry(status, self._why_not)
+        self._reported = (status, self._why_not)
         log.info("reported to the ComputeDomain", status=status.value, node=self._me.node_name)
 
-    async def _update_entry(self, status: DomainStatus | None) -> None:
+    async def _update_entry(self, status: DomainStatus | None, message: str = "") -> None:
         """Upsert (or, for None, remove) our entry in the clique's daemons; retried on conflicts."""
         for _ in range(20):
             obj = await self._kube.get(self._path)
@@ -258,15 +344,16 @@ class ImexDaemon:
                 index = next(i for i in range(len(taken) + 1) if i not in taken)
                 if mine is not None and int(mine.get("index") or 0) not in taken:
                     index = int(mine.get("index") or 0)  # (clique, index) stays one node's for good
-                others.append(
-                    {
-                        "nodeName": self._me.node_name,
-                        "ipAddress": self._me.ip_address,
-                        "cliqueID": self._me.clique,
-                        "index": index,
-                        "status": status.value,
-                    }
-                )
+                entry: Json = {
+                    "nodeName": self._me.node_name,
+                    "ipAddress": self._me.ip_address,
+                    "cliqueID": self._me.clique,
+                    "index": index,
+                    "status": status.value,
+                }
+                if message:
+                    entry["message"] = message
+                others.append(entry)
             body = {**obj, "daemons": others}
             if status is not None:
                 body["metadata"] = self._owned(body["metadata"])
@@ -316,10 +403,47 @@ class ImexDaemon:
         await self._update_entry(None)
 
 
-async def run_daemon(api: ApiClient, names: Names, config_dir: Path, port: int | None = None) -> None:
+def _entries(clique: Json, clique_id: str) -> list[ComputeDomainDaemonInfo]:
+    """The daemons of ``clique_id`` in a ComputeDomainClique (a hand-edited bad entry is skipped)."""
+    entries = []
+    for item in clique.get("daemons") or []:
+        with contextlib.suppress(ValidationError):
+            entry = ComputeDomainDaemonInfo.model_validate(item)
+            if entry.clique_id == clique_id:
+                entries.append(entry)
+    return entries
+
+
+def _write_if_changed(path: Path, lines: list[str], what: str) -> None:
+    text = "".join(f"{line}\n" for line in lines)
+    with contextlib.suppress(FileNotFoundError):
+        if path.read_text() == text:
+            return
+    _write_atomically(path, text)
+    log.info(f"{what} updated", lines=lines)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    temp = path.with_name(f".{path.name}.tmp")
+    temp.write_text(text)
+    temp.replace(path)
+
+
+async def run_daemon(
+    api: ApiClient,
+    names: Names,
+    config_dir: Path,
+    port: int | None = None,
+    *,
+    dns_names: bool = True,
+    hosts_file: Path = Path("/etc/hosts"),
+) -> None:
     identity = DaemonIdentity.from_environment()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await ImexDaemon(api, names, identity, config_dir, port=port).run(stop)
+    daemon = ImexDaemon(
+        api, names, identity, config_dir, port=port, dns_names=dns_names, hosts_file=hosts_file
+    )
+    await daemon.run(stop)

@@ -13,8 +13,9 @@ until then the kubelet retries and the pod waits, as with NVIDIA's driver. The C
 container ``/dev/nvidia-caps-imex-channels/channel0`` (all channels for allocationMode All).
 
 For a **daemon** claim: write the daemon's configuration directory (``imexd.cfg`` and
-``nodes_config.cfg``, the IP addresses of the domain's nodes on this clique known so far) and mount it
-into the daemon's container at ``/imexd``, with the domain's identity as environment variables.
+``nodes_config.cfg``, the IP addresses of the domain's nodes on this clique known so far, which a
+daemon with DNS names replaces by its fixed names when it starts) and mount it into the daemon's
+container at ``/imexd``, with the domain's identity as environment variables.
 
 Each prepared claim leaves a small record (its kind and domain) so unprepare -- after a restart too --
 knows to remove the node label again.

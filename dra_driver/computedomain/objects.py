@@ -128,8 +128,14 @@ def daemon_template(names: Names, domain: ComputeDomain, namespace: str, clique:
     }
 
 
-def daemon_set(names: Names, domain: ComputeDomain, namespace: str, image: str) -> Json:
-    """The per-node IMEX daemons: on the nodes labelled with the domain, each with its daemon claim."""
+def daemon_set(
+    names: Names, domain: ComputeDomain, namespace: str, image: str, *, dns_names: bool = True
+) -> Json:
+    """The per-node IMEX daemons: on the nodes labelled with the domain, each with its daemon claim.
+
+    ``dns_names`` (NVIDIA's IMEXDaemonsWithDNSNames) reaches the daemons through their environment,
+    as NVIDIA's controller hands its feature gates to the daemon pods.
+    """
     name = daemon_object_name(domain)
 
     def field_env(env: str, path: str) -> Json:
@@ -153,6 +159,10 @@ def daemon_set(names: Names, domain: ComputeDomain, namespace: str, image: str) 
                             "command": ["dra-driver", "compute-domain-daemon"],
                             "env": [
                                 {"name": "DRA_DRIVER_NAME", "value": names.gpu_driver},
+                                {
+                                    "name": "DRA_IMEX_DAEMONS_WITH_DNS_NAMES",
+                                    "value": "true" if dns_names else "false",
+                                },
                                 field_env("NODE_NAME", "spec.nodeName"),
                                 field_env("POD_IP", "status.podIP"),
                                 field_env("POD_NAME", "metadata.name"),
@@ -289,6 +299,18 @@ def overall_status(domain: ComputeDomain, clique: str) -> DomainStatus:
     wanted = domain.spec.num_nodes
     fine = bool(ready) and len(ready) == len(domain.status.nodes) if wanted == 0 else len(ready) >= wanted
     return DomainStatus.READY if fine else DomainStatus.NOT_READY
+
+
+def daemon_failures(cliques: Iterable[Json]) -> dict[str, str]:
+    """Node -> why its daemon failed, for each daemon that is not ready and says why."""
+    failures = {}
+    for clique in cliques:
+        for item in clique.get("daemons") or []:
+            with contextlib.suppress(ValidationError):
+                daemon = ComputeDomainDaemonInfo.model_validate(item)
+                if daemon.status is DomainStatus.NOT_READY and daemon.message:
+                    failures[daemon.node_name] = daemon.message
+    return failures
 
 
 def nodes_from_cliques(cliques: Iterable[Json]) -> list[Json]:

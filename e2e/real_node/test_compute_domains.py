@@ -190,6 +190,15 @@ def test_a_compute_domain_channel_claim_gives_the_pod_its_imex_channel_device(
     )
     daemons = core.list_namespaced_pod(NAMESPACE, label_selector=LABEL).items
     assert [(p.spec.node_name, p.status.phase) for p in daemons] == [(config.NODE_NAME, "Running")]
+    # It names its peers by DNS name (IMEXDaemonsWithDNSNames, the chart's default): its own name is
+    # in the container's /etc/hosts, the file the kubelet mounted, written from inside the container.
+    (daemon_pod,) = daemons
+    updates = [
+        m for m in _log_messages(core, daemon_pod.metadata.name) if m.get("event") == "DNS names updated"
+    ]
+    assert updates, "the daemon wrote no DNS names"
+    assert updates[-1]["hosts"] == "/etc/hosts"
+    assert updates[-1]["names"] == {"compute-domain-daemon-0000": daemon_pod.status.pod_ip}
 
     # Deleting the pod and the domain leaves nothing of it behind.
     core.delete_namespaced_pod(pod["metadata"]["name"], namespace, grace_period_seconds=1)

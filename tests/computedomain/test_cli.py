@@ -10,6 +10,7 @@ import pytest
 import structlog
 
 from dra_driver.cli import main
+from dra_driver.computedomain.cli import boolean
 
 _DAEMON_ENV = (
     "NODE_NAME",
@@ -50,6 +51,17 @@ def test_a_bad_variable_fails_like_a_bad_flag(
     monkeypatch.setenv("DRA_DAEMON_READY_TIMEOUT_SECONDS", "soon")
     assert main(["compute-domain-controller"]) == 2
     assert "argument --daemon-ready-timeout-seconds: invalid float value: 'soon'" in _one_line(capsys)
+
+
+def test_a_switch_takes_true_or_false_and_refuses_anything_else(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert [boolean(text) for text in ("true", "True", "1", "false", "FALSE", "0")] == [True] * 3 + [
+        False
+    ] * 3
+    monkeypatch.setenv("DRA_IMEX_DAEMONS_WITH_DNS_NAMES", "maybe")
+    assert main(["compute-domain-controller"]) == 2
+    assert "argument --imex-daemons-with-dns-names: invalid boolean value: 'maybe'" in _one_line(capsys)
 
 
 def test_the_daemon_outside_its_pod_names_what_is_missing(

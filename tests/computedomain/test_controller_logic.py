@@ -169,6 +169,14 @@ def test_the_daemon_set_runs_where_the_domains_label_is() -> None:
     ]
 
 
+@pytest.mark.parametrize("dns_names", [True, False])
+def test_the_daemons_get_the_dns_names_mode_through_their_environment(dns_names: bool) -> None:
+    ds = daemon_set(NAMES, domain(2), "driver-ns", "img:1", dns_names=dns_names)
+    (container,) = ds["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["DRA_IMEX_DAEMONS_WITH_DNS_NAMES"] == str(dns_names).lower()
+
+
 def test_a_condition_keeps_its_transition_time_while_its_status_holds() -> None:
     old = [{"type": "Ready", "status": "False", "reason": "A", "lastTransitionTime": "t0"}]
     same = merge_conditions(

@@ -9,6 +9,7 @@ rack cannot show, such as a cluster where no node has fabric info at all.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from dra_driver.computedomain.controller import ComputeDomainController
@@ -155,6 +156,62 @@ def test_the_daemons_clique_entries_become_the_status_and_departed_nodes_are_pru
     reconcile_until_settled(api)
     assert created(api) == []
     assert api.objects[CD]["metadata"]["finalizers"] == []
+
+
+def test_a_daemon_that_says_why_it_failed_is_named_at_once_a_silent_one_after_the_timeout() -> None:
+    """DaemonFailed as soon as a daemon reports its error (NVIDIA #289: never Ready meanwhile);
+    a daemon that is just not ready yet is waited for, then DaemonNotReady after the timeout."""
+    api = FakeApi()
+    with_domain(api, num_nodes=2)
+    with_tray(api, "a1", domain=UID)
+    with_tray(api, "a2", domain=UID)
+    name = f"{UID}.{CLIQUE}"
+    daemons = [
+        {"nodeName": "a1", "ipAddress": "10.0.0.1", "cliqueID": CLIQUE, "index": 0, "status": "Ready"},
+        {"nodeName": "a2", "ipAddress": "10.0.0.2", "cliqueID": CLIQUE, "index": 1, "status": "NotReady"},
+    ]
+    api.put(
+        f"{CLIQUES}/{name}",
+        {"metadata": {"name": name, "namespace": "driver", "labels": {LABEL: UID}}, "daemons": daemons},
+    )
+    ctl = ComputeDomainController(
+        None, gpu_driver="gpu.nvidia.com", namespace="driver", daemon_image="img", daemon_ready_timeout=0.3
+    )  # type: ignore[arg-type]
+    ctl._kube = api  # type: ignore[assignment]
+
+    async def settle() -> float | None:
+        for _ in range(10):
+            again = await ctl.reconcile("ns/cd")
+            if again != 0.0:
+                return again
+        return None
+
+    again = asyncio.run(settle())
+    assert ready_condition(api)["reason"] == "WaitingForDaemons"
+    assert again is not None
+    assert 0 < again <= 0.3  # looked at again when the timeout runs out
+    time.sleep(0.35)
+    asyncio.run(settle())
+    condition = ready_condition(api)
+    assert (condition["reason"], api.objects[CD]["status"]["status"]) == ("DaemonNotReady", "NotReady")
+    assert "the IMEX daemon on node(s) a2 is not ready after 0s" in condition["message"]
+
+    failed = "IMEX daemon cannot listen on 10.0.0.2:50000: Address already in use; retrying"
+    api.objects[f"{CLIQUES}/{name}"]["daemons"][1]["message"] = failed
+    asyncio.run(settle())
+    condition = ready_condition(api)
+    assert (condition["reason"], api.objects[CD]["status"]["status"]) == ("DaemonFailed", "NotReady")
+    assert condition["message"] == f"the IMEX daemon on node a2 failed: {failed}"
+    assert [e[:2] for e in events(api)] == [
+        ("Normal", "WaitingForDaemons"),
+        ("Warning", "DaemonNotReady"),
+        ("Warning", "DaemonFailed"),
+    ]
+
+    api.objects[f"{CLIQUES}/{name}"]["daemons"][1] = {**daemons[1], "status": "Ready"}  # recovered
+    asyncio.run(settle())
+    assert ready_condition(api)["reason"] == "DaemonsReady"
+    assert api.objects[CD]["status"]["status"] == "Ready"
 
 
 def with_named_domain(api: FakeApi, name: str, uid: str, num_nodes: int = 2, mode: str = "Single") -> str:

@@ -88,9 +88,10 @@ admin-access requests may use (templates/maintenance.yaml).
 
 {{/*
 The optional features, after featureGates (docs/configuration.md, "Feature gates"), as YAML for
-fromYaml: computeDomains, maintenanceDevices, nodeLabels, deviceMetadata and mps (booleans) and
-migPartitions. A gate that is set wins over the value it is named after (NodeLabels -> nodeLabels;
-NVIDIA's DeviceMetadata -> deviceMetadata, which here needs no PassthroughSupport); NVIDIA's DynamicMIG
+fromYaml: computeDomains, maintenanceDevices, nodeLabels, deviceMetadata, mps and
+imexDaemonsWithDNSNames (booleans) and migPartitions. A gate that is set wins over the value it is
+named after (NodeLabels -> nodeLabels; NVIDIA's DeviceMetadata -> deviceMetadata, which here needs no
+PassthroughSupport); NVIDIA's DynamicMIG
 maps to migPartitions (false: none; true: the list of GPUs, or else all). NVIDIA's gates for
 what this driver always does, or never does, are accepted where they agree and refused with the
 reason where they do not, so a values file written for NVIDIA's chart never silently means less.
@@ -103,6 +104,13 @@ reason where they do not, so a values file written for NVIDIA's chart never sile
 {{- $_ := set $features $value (index $gates $gate) -}}
 {{- end -}}
 {{- end -}}
+{{- $_ := set $features "imexDaemonsWithDNSNames" .Values.computeDomainController.imexDaemonsWithDNSNames -}}
+{{- if hasKey $gates "IMEXDaemonsWithDNSNames" -}}
+{{- $_ := set $features "imexDaemonsWithDNSNames" $gates.IMEXDaemonsWithDNSNames -}}
+{{- end -}}
+{{- if $gates.HostManagedIMEXDaemon -}}
+{{- fail "featureGates.HostManagedIMEXDaemon=true: the host-managed IMEX mode is not supported: this driver runs an IMEX daemon pod per node of each ComputeDomain" -}}
+{{- end -}}
 {{- if hasKey $gates "DynamicMIG" -}}
 {{- if not $gates.DynamicMIG -}}
 {{- $_ := set $features "migPartitions" "none" -}}
@@ -114,7 +122,7 @@ reason where they do not, so a values file written for NVIDIA's chart never sile
 that only with its MPSSupport gate; here MPS is on unless the gate is false, which grants no
 Deployments at all and leaves MPS claims refused on a real node. */ -}}
 {{- $_ := set $features "mps" (ne (toString (index $gates "MPSSupport")) "false") -}}
-{{- range $gate, $what := dict "TimeSlicingSettings" "time-slicing configs" "NVMLDeviceHealthCheck" "GPU health checks (Xid events, lost GPUs)" -}}
+{{- range $gate, $what := dict "TimeSlicingSettings" "time-slicing configs" "NVMLDeviceHealthCheck" "GPU health checks (Xid events, lost GPUs)" "ComputeDomainCliques" "ComputeDomainClique objects" -}}
 {{- if and (hasKey $gates $gate) (not (index $gates $gate)) -}}
 {{- fail (printf "featureGates.%s=false: this driver always serves %s and cannot switch them off; leave the gate out" $gate $what) -}}
 {{- end -}}
