@@ -31,7 +31,7 @@ import json
 import os
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -187,7 +187,9 @@ class TenantNode:
         self.driver_root = _driver_root(root / "driver-root")
 
     @contextlib.asynccontextmanager
-    async def preparer(self) -> Any:
+    async def preparer(self) -> AsyncIterator[NodePreparer]:
+        """The node's plugin, reading claims with the admin's token (the plugin's RBAC is not tested
+        here), consumable capacity on, its driver files from :func:`_driver_root`."""
         configuration = Configuration(
             host=self.cluster.server,
             api_key={"BearerToken": self.cluster.admin_token},
@@ -223,7 +225,7 @@ class TenantNode:
         share: str | None = None,
     ) -> ClaimRef:
         """The tenant's claim (its own `config`), allocated `device` as the scheduler would: the
-        class's config first, `share` GiB of the GPU's memory when given."""
+        class's config first; with `share` (a quantity, e.g. 10Gi), as a share of that much memory."""
         parameters = _RAW if isinstance(config, RawJson) else config
         created = self._metadata_only(self.tenant).request(
             "POST",
@@ -277,14 +279,11 @@ class TenantNode:
         }
 
     def mounts(self, ref: ClaimRef) -> list[JsonObject]:
-        """Every mount a container of the claim gets: the node's common edits and the claim's own."""
-        found: list[JsonObject] = []
-        for path in (self.root / "cdi").glob("*"):
-            spec = json.loads(path.read_text())
-            if path == self.specs.path_for(ref.uid) or not spec["kind"].endswith("/claim"):
-                found += spec.get("containerEdits", {}).get("mounts", [])
-                found += [m for d in spec["devices"] for m in d["containerEdits"].get("mounts", [])]
-        return found
+        """Every mount a container of the claim gets: its spec's common edits (the driver's files)
+        and its devices' own."""
+        spec = json.loads(self.specs.path_for(ref.uid).read_text())
+        mounts: list[JsonObject] = spec.get("containerEdits", {}).get("mounts", [])
+        return mounts + [m for d in spec["devices"] for m in d["containerEdits"].get("mounts", [])]
 
 
 def _driver_root(root: Path) -> Path:
