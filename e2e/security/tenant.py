@@ -460,42 +460,35 @@ async def _run_node(node: TenantNode) -> tuple[list[NodeAttempt], list[NodeContr
 
         # --- symlinks in every directory a client can write ----------------------------------------
         kind = "tenant.symlinks"
-        canary = node.root / "node-files"
-        canary.mkdir()
-        (canary / "keep").write_text("the node's\n")
-        writable = {"pipe": daemon.pipe, "shm": daemon.shm}
-        for directory in writable.values():
+        # Each attempt aims at node files of its own, so that each is judged by what it alone did.
+        canaries: dict[str, Path] = {}
+        for name, directory in (("pipe", daemon.pipe), ("shm", daemon.shm)):
+            canary = _canary(node.root / f"node-files-{name}")
             (directory / "to-node-dir").symlink_to(canary)
             (directory / "to-node-file").symlink_to(canary / "keep")
-        # The control pipe itself replaced by a link to a node file (the stand-in removes its pipe
-        # when it stops, as the real daemon does).
+            what = f"symlinks in the daemon's {name} directory to a node directory and a node file"
+            canaries[f"{what}, the daemon stopped and its directories removed"] = canary
+        # The stand-in removes its control pipe when it stops, as the real daemon does.
+        canary = _canary(node.root / "node-files-control")
         (daemon.pipe / "control").unlink()
         (daemon.pipe / "control").symlink_to(canary / "keep")
+        canaries["the control pipe replaced by a symlink to a node file, the daemon stopped"] = canary
         # Every share of the GPU leaves: the daemon stops and its directories go.
-        sharers = [neighbour, whole]
-        await preparer.unprepare(sharers)
+        await preparer.unprepare([neighbour, whole])
         gone = not daemon.root.exists()
-        intact = (canary / "keep").read_text() == "the node's\n" and sorted(os.listdir(canary)) == ["keep"]
-        for name in writable:
+        for what, canary in canaries.items():
+            left = sorted(os.listdir(canary))
+            keep = canary / "keep"
+            intact = left == ["keep"] and keep.is_file() and keep.read_text() == _KEPT
             attempts.append(
                 NodeAttempt(
                     kind,
-                    f"symlinks in the daemon's {name} directory to a node directory and file, "
-                    "the daemon stopped and its directories removed",
+                    what,
                     "refused" if intact else "succeeded",
                     "driver" if intact else "",
-                    "" if intact else f"the node's files now: {sorted(os.listdir(canary))}",
+                    "" if intact else f"the node's files now: {left}",
                 )
             )
-        attempts.append(
-            NodeAttempt(
-                kind,
-                "the control pipe replaced by a symlink to a node file, the daemon stopped",
-                "refused" if intact else "succeeded",
-                "driver" if intact else "",
-                "",
-            )
-        )
         controls.append(
             control(
                 kind,
@@ -535,6 +528,16 @@ async def _run_node(node: TenantNode) -> tuple[list[NodeAttempt], list[NodeContr
             )
         )
     return attempts, controls
+
+
+_KEPT = "the node's\n"
+
+
+def _canary(directory: Path) -> Path:
+    """A directory of the node's with one file, for a tenant's links to aim at."""
+    directory.mkdir()
+    (directory / "keep").write_text(_KEPT)
+    return directory
 
 
 def _assert(condition: bool, message: str) -> None:
