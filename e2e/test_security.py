@@ -42,15 +42,33 @@ def test_each_account_and_kind_is_attacked(report: suite.JsonObject) -> None:
         "controller.cliques",
         "imex-daemon.cliques",
         "webhook",
+        "tenant.admin_access",
+        "tenant.sharing",
+        "tenant.mps",
+        "tenant.symlinks",
+        "tenant.configs",
     }
     # Both credentials, the real pod-bound token and the impersonation, got the same verdicts.
     assert report["totals"]["mismatches"] == 0
 
 
+def test_a_tenants_attempts_fail_for_its_own_claim_alone(report: suite.JsonObject) -> None:
+    """The tenant's side (e2e/security/tenant.py): each attempt refused, by whom it must be, and the
+    neighbours it could have hurt prepared as their class says (positive controls)."""
+    tenant = [a for a in report["attempts"] if a["kind"].startswith("tenant.")]
+    assert len(tenant) >= 17
+    refusers = {a["what"]: set(a["refusers"].values()) for a in tenant}
+    assert all(set(a["verdicts"].values()) == {"refused"} for a in tenant), tenant
+    assert all(r <= {"api-server", "rbac", "driver", "driver (ignored)"} and r for r in refusers.values())
+    controls = [c for c in report["controls"]["list"] if c["kind"].startswith("tenant.")]
+    assert len(controls) == 7
+    assert all(c["ok"] for c in controls), controls
+
+
 def test_what_the_driver_writes_still_passes_the_policies(report: suite.JsonObject) -> None:
     controls = report["controls"]
     assert controls["failed"] == 0, controls["list"]
-    assert controls["passed"] == 6
+    assert controls["passed"] == 13
     policies = report["policies"]
     assert len(policies) >= 7, sorted(policies)
     assert all(p["bound"] and not p["warnings"] for p in policies.values()), policies

@@ -8,6 +8,7 @@ through NVML's C interface. A workload pod then gets a GPU the NVML backend prep
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -168,6 +169,92 @@ def test_an_mps_claim_runs_its_control_daemon_as_a_deployment_on_the_kubelet(
         ),
         "the MPS control daemon's Deployment and pod to go with the claim",
     )
+
+
+# A tenant's MPS client, from inside its container: it fills /dev/shm past its size, plants links to
+# the node's files (as the plugin and the daemon's chroot see them) in each directory it may write,
+# the control pipe among them, and looks for the program that would `quit` the daemon.
+_TENANT_SCRIPT = """
+grep ' /dev/shm ' /proc/mounts
+dd if=/dev/zero of=/dev/shm/fill bs=1M count=100 2>&1; echo "dd-exit=$?"
+echo "fill-bytes=$(wc -c < /dev/shm/fill)"
+for d in /tmp/nvidia-mps /dev/shm; do
+  ln -s {plugin_canary} $d/to-plugin-dir; ln -s /canary $d/to-driver-root; ln -s /canary/keep $d/to-file
+done
+rm -f /tmp/nvidia-mps/control && ln -s /canary/keep /tmp/nvidia-mps/control
+find / -path /proc -prune -o -path /sys -prune -o -name 'nvidia-cuda-mps-control*' -print | sed 's/^/found: /'
+echo planted
+trap 'exit 0' TERM; sleep infinity & wait
+"""
+
+
+def test_a_tenant_neither_fills_the_node_disk_through_dev_shm_nor_gets_links_followed(
+    nvml_driver: DriverRelease, real_api: client.ApiClient, namespace: str
+) -> None:
+    """/dev/shm of an MPS client is the daemon's tmpfs of mpsShmSize: a write past it fails with
+    ENOSPC and nothing reaches the directory beneath it on the node's disk. The links a client plants
+    in its pipe and shm directories, to a directory and a file of the node, are not followed when the
+    daemon stops and the plugin removes its directories; no client has nvidia-cuda-mps-control."""
+    layout = nvml_driver.node.layout
+    assert layout is not None
+    plugin_dir = f"{config.KUBELET_ROOT}/plugins/gpu.dra-driver.dev"
+    canaries = [
+        layout.host_path(f"{plugin_dir}/canary"),
+        layout.driver_root.parent / "driver-root-nvml" / "canary",
+    ]
+    for canary in canaries:
+        canary.mkdir(exist_ok=True)
+        (canary / "keep").write_text("the node's\n")
+    template, pod = manifests.load(manifests.EXAMPLES / "mps-gpu.yaml")
+    template["metadata"]["name"] = pod["spec"]["resourceClaims"][0]["resourceClaimTemplateName"] = (
+        "tenant-mps"
+    )
+    pod["metadata"]["name"] = "tenant"
+    tenant = pod["spec"]["containers"][0]
+    tenant["image"] = f"{IMAGES['workload']}:{nvml_driver.tag}"
+    tenant["command"] = ["sh", "-c", _TENANT_SCRIPT.format(plugin_canary=f"{plugin_dir}/canary")]
+    pod["spec"]["containers"] = [tenant]
+    create(real_api, namespace, template)
+    create(real_api, namespace, pod)
+    core, apps = client.CoreV1Api(real_api), client.AppsV1Api(real_api)
+
+    def planted() -> str | None:
+        if core.read_namespaced_pod("tenant", namespace).status.phase != "Running":
+            return None  # no log to read yet (its daemon's pod starts first)
+        log = core.read_namespaced_pod_log("tenant", namespace, container=tenant["name"]) or ""
+        return log if "planted" in log.split() else None
+
+    log = _wait(planted, "the tenant's container to fill /dev/shm and plant its links")
+    # The daemon's directories on the node: the pipe directory (a plain directory of the node's disk)
+    # holds the tenant's links: the attempt was made.
+    (daemon_dir,) = [
+        d
+        for d in layout.host_path(f"{plugin_dir}/mps").iterdir()
+        if (d / "pipe" / "to-plugin-dir").is_symlink()
+    ]
+    # Past the tmpfs's size: ENOSPC, and the file holds what fit (64 MiB), in memory.
+    assert "No space left on device" in log, log
+    assert "dd-exit=0" not in log, log
+    assert "fill-bytes=67108864" in log, log
+    # The directory beneath the tmpfs, on the node's disk (the tmpfs is mounted in the node's mount
+    # namespace only, not the host's), got nothing.
+    assert not any((daemon_dir / "shm").iterdir()), sorted((daemon_dir / "shm").iterdir())
+    assert (daemon_dir / "pipe" / "control").is_symlink()
+    assert "found:" not in log, log  # no nvidia-cuda-mps-control anywhere in the client
+
+    core.delete_namespaced_pod("tenant", namespace, grace_period_seconds=1)
+    _wait(
+        lambda: (
+            not apps.list_namespaced_deployment(NAMESPACE, label_selector=MPS_NODE).items
+            and not core.list_namespaced_pod(NAMESPACE, label_selector=MPS_NODE).items
+            and not daemon_dir.exists()
+        ),
+        "the MPS daemon and its directories to go with the claim",
+    )
+    for canary in canaries:
+        assert sorted(p.name for p in canary.iterdir()) == ["keep"], canary
+        assert (canary / "keep").read_text() == "the node's\n", canary
+        shutil.rmtree(canary)
 
 
 def _wait(probe: Callable[[], _T | None], what: str, timeout: float = 120) -> _T:

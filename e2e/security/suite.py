@@ -42,11 +42,13 @@ from dra_driver.node.types import ClaimRef
 from e2e.cluster import ApiError, ClusterInfo, JsonObject, RestClient, create_fake_node
 from e2e.cluster.binaries import REPO_ROOT, build_outputs
 from e2e.cluster.tokens import mint_service_account_token
+from e2e.security import tenant
 
 CHART = REPO_ROOT / "charts" / "dra-driver-gpu"
 RELEASE = "sec"
 NAMESPACE = "dra-security"
 TENANT = "sec-tenant"
+ADMIN_NAMESPACE = "sec-tenant-admin"  # labelled for admin access by the administrator
 DRIVER = "gpu.security-e2e.dra-driver.dev"
 NAMES = Names(DRIVER)
 FULLNAME = f"{RELEASE}-dra-driver-gpu"
@@ -81,6 +83,8 @@ class Attempt:
     # Who must refuse it: a policy's name suffix, "rbac" or "api-server" (alternatives split by
     # "|"); "": anyone may.
     policy: str = ""
+    # An attempt the API server's validation must refuse (422 Invalid, e.g. a field over its limit).
+    invalid_is_refused: bool = False
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,9 @@ def missed_goals(report: JsonObject) -> list[str]:
 _POLICY = re.compile(r"ValidatingAdmissionPolicy '([^']+)'")
 
 
-def verdict(call: Callable[[RestClient], object], client: RestClient) -> tuple[str, str, str]:
+def verdict(
+    call: Callable[[RestClient], object], client: RestClient, invalid_is_refused: bool = False
+) -> tuple[str, str, str]:
     """(refused | succeeded | error, who refused: a policy's name or "rbac", the server's message)."""
     try:
         call(client)
@@ -147,7 +153,7 @@ def verdict(call: Callable[[RestClient], object], client: RestClient) -> tuple[s
         if error.status == 403:
             match = _POLICY.search(error.message)
             return "refused", match.group(1) if match else "rbac", error.message
-        if error.status == 422 and "Forbidden: " in error.message:
+        if error.status == 422 and ("Forbidden: " in error.message or invalid_is_refused):
             # The API server's own permission checks of a field (1.36+: a claim's status, which
             # needs resourceclaims/binding or resourceclaims/driver; admin access, which needs the
             # namespace label) answer 422 with a Forbidden cause.
@@ -166,7 +172,10 @@ def run_attempts(
 ) -> Figures:
     figures = Figures()
     for identity, attempt in attempts:
-        results = {how: verdict(attempt.call, client) for how, client in identities[identity].items()}
+        results = {
+            how: verdict(attempt.call, client, attempt.invalid_is_refused)
+            for how, client in identities[identity].items()
+        }
         verdicts = {how: result[0] for how, result in results.items()}
         refusers = {how: result[1] for how, result in results.items() if result[0] == "refused"}
         wrong = bool(attempt.policy) and not all(refused_by(attempt, r) for r in refusers.values())
@@ -223,8 +232,8 @@ class Setup:
     domain: JsonObject
     tokens: dict[str, str]  # account -> real token (pod-bound where the account runs in a pod)
 
-    def impersonating(self, account: str, node: str | None) -> RestClient:
-        headers = {"Impersonate-User": f"system:serviceaccount:{NAMESPACE}:{account}"}
+    def impersonating(self, account: str, node: str | None, namespace: str = NAMESPACE) -> RestClient:
+        headers = {"Impersonate-User": f"system:serviceaccount:{namespace}:{account}"}
         if node:
             headers["Impersonate-Extra-" + urllib.parse.quote(NODE_NAME_EXTRA, safe="")] = node
         return RestClient(
@@ -244,6 +253,10 @@ class Setup:
             "controller": both(CONTROLLER_ACCOUNT, None),
             "imex-daemon@node-a": both(DAEMON_ACCOUNT, NODE_A),
             "webhook": both(WEBHOOK_ACCOUNT, None),
+            "tenant": {
+                "token": self.cluster.rest(self.tokens["tenant"]),
+                "impersonation": self.impersonating(tenant.ACCOUNT, None, TENANT),
+            },
         }
 
 
@@ -273,8 +286,9 @@ def installed(cluster: ClusterInfo) -> Iterator[Setup]:
     the objects the attacks aim at; all removed afterwards."""
     admin = cluster.rest()
     kubeconfig = ["--kubeconfig", str(cluster.kubeconfig)]
-    for namespace in (NAMESPACE, TENANT):
-        admin.create("/api/v1/namespaces", {"metadata": {"name": namespace}})
+    for namespace in (NAMESPACE, TENANT, ADMIN_NAMESPACE):
+        labels = {tenant.ADMIN_LABEL: "true"} if namespace == ADMIN_NAMESPACE else {}
+        admin.create("/api/v1/namespaces", {"metadata": {"name": namespace, "labels": labels}})
     try:
         _run(
             [*helm(), *kubeconfig, "install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--values", "-"],
@@ -291,7 +305,7 @@ def installed(cluster: ClusterInfo) -> Iterator[Setup]:
                 with contextlib.suppress(ApiError):
                     admin.delete(f"/api/v1/nodes/{node}")
     finally:
-        for namespace in (NAMESPACE, TENANT):
+        for namespace in (NAMESPACE, TENANT, ADMIN_NAMESPACE):
             with contextlib.suppress(ApiError):
                 admin.request(
                     "DELETE", f"/api/v1/namespaces/{namespace}/pods", query={"gracePeriodSeconds": "0"}
@@ -300,7 +314,9 @@ def installed(cluster: ClusterInfo) -> Iterator[Setup]:
                 admin.delete(f"/api/v1/namespaces/{namespace}")
         with contextlib.suppress(ApiError):
             admin.delete(f"{SLICES}/sec-b-slice")
-        _wait_gone(admin, [f"/api/v1/namespaces/{namespace}" for namespace in (NAMESPACE, TENANT)])
+        _wait_gone(
+            admin, [f"/api/v1/namespaces/{namespace}" for namespace in (NAMESPACE, TENANT, ADMIN_NAMESPACE)]
+        )
 
 
 def _wait_gone(admin: RestClient, paths: list[str], timeout_s: float = 120) -> None:
@@ -343,8 +359,13 @@ def _prepare(cluster: ClusterInfo, admin: RestClient) -> Setup:
             },
         },
     )
+    admin.create(f"/api/v1/namespaces/{TENANT}/serviceaccounts", {"metadata": {"name": tenant.ACCOUNT}})
+    for namespace in (TENANT, ADMIN_NAMESPACE):
+        for collection, body in tenant.rbac(namespace, TENANT):
+            admin.create(collection, body)
     with cluster.api_client() as api:
         tokens = {
+            "tenant": mint_service_account_token(api, TENANT, tenant.ACCOUNT),
             PLUGIN_ACCOUNT: mint_service_account_token(api, NAMESPACE, PLUGIN_ACCOUNT, bound_pod="plugin-a"),
             "plugin-unbound": mint_service_account_token(api, NAMESPACE, PLUGIN_ACCOUNT),
             DAEMON_ACCOUNT: mint_service_account_token(api, NAMESPACE, DAEMON_ACCOUNT, bound_pod="imex-a"),
@@ -1199,6 +1220,41 @@ def unbound_attempts(setup: Setup) -> list[Attempt]:
     ]
 
 
+def tenant_attempts(setup: Setup) -> list[Attempt]:
+    """A tenant who may create claims and templates in its own namespace (see e2e/security/tenant.py)."""
+    kind = "tenant.admin_access"
+    return [
+        Attempt(
+            kind,
+            "a claim with admin access in a namespace without the admin-access label",
+            _create(claims(), tenant.claim_body("admin", DRIVER, admin=True)),
+            "api-server",
+        ),
+        Attempt(
+            kind,
+            "a claim template with admin access in a namespace without the label",
+            _create(
+                f"{RESOURCE}/namespaces/{TENANT}/resourceclaimtemplates",
+                tenant.template_body("admin", DRIVER),
+            ),
+            "api-server",
+        ),
+        Attempt(
+            kind,
+            "labelling its own namespace for admin access",
+            _patch(f"/api/v1/namespaces/{TENANT}", {"metadata": {"labels": {tenant.ADMIN_LABEL: "true"}}}),
+            "rbac",
+        ),
+        Attempt(
+            "tenant.configs",
+            f"a claim whose config is over the API server's {tenant.OPAQUE_LIMIT // 1024} KiB",
+            _create(claims(), tenant.claim_body("big", DRIVER, config=tenant.oversized_config())),
+            "api-server",
+            invalid_is_refused=True,
+        ),
+    ]
+
+
 # --- the positive controls -------------------------------------------------------------------------
 
 
@@ -1288,7 +1344,17 @@ def controls(setup: Setup) -> list[Control]:
         controller.request("PUT", f"{collection}/{uid}.own", stored)
         controller.delete(f"{collection}/{uid}.own")
 
+    def admin_access_where_labelled() -> None:
+        tenant_client = cluster.rest(setup.tokens["tenant"])
+        body = tenant.claim_body("admin", DRIVER, admin=True)
+        tenant_client.request("POST", claims(ADMIN_NAMESPACE), body, query=DRY_RUN)
+
     return [
+        Control(
+            "tenant.admin_access",
+            "the tenant's admin-access claim in the namespace its administrator labelled",
+            admin_access_where_labelled,
+        ),
         Control(
             "plugin.deployments",
             "the driver's MPS daemon Deployment for node A, created and deleted",
@@ -1365,6 +1431,7 @@ def all_attempts(setup: Setup) -> list[tuple[str, Attempt]]:
         + [("controller", a) for a in controller_attempts(setup)]
         + [("imex-daemon@node-a", a) for a in daemon_attempts(setup)]
         + [("webhook", a) for a in webhook_attempts(setup)]
+        + [("tenant", a) for a in tenant_attempts(setup)]
     )
 
 
@@ -1378,11 +1445,33 @@ def run(cluster: ClusterInfo) -> JsonObject:
         figures = run_attempts(setup.identities(), attempts)
         run_controls(figures, controls(setup))
         figures.policies = policies(setup)
+        run_tenant_node(setup, figures)
     report = figures.as_json()
     report["kubernetes"] = version
     report["duration_s"] = round(time.monotonic() - started, 1)
     report["missed_goals"] = missed_goals(report)
     return report
+
+
+def run_tenant_node(setup: Setup, figures: Figures) -> None:
+    """The tenant's attempts on a node (:mod:`e2e.security.tenant`), added to `figures`."""
+    tenant_client = setup.cluster.rest(setup.tokens["tenant"])
+    with tenant.tenant_node(
+        setup.cluster, setup.admin, tenant_client, driver=DRIVER, node=NODE_A, namespace=TENANT
+    ) as node:
+        attempts, node_controls = tenant.run_node(node)
+    for record in tenant.as_records(attempts):
+        verdict_ = record["verdicts"]["node"]
+        kind = figures.kinds.setdefault(
+            record["kind"],
+            {"attempts": 0, "refused": 0, "succeeded": 0, "errors": 0, "mismatches": 0, "wrong_refuser": 0},
+        )
+        kind["attempts"] += 1
+        kind[{"refused": "refused", "succeeded": "succeeded"}.get(verdict_, "errors")] += 1
+        figures.attempts.append(record)
+    figures.controls += [
+        {"kind": c.kind, "what": c.what, "ok": c.ok, "error": c.error} for c in node_controls
+    ]
 
 
 def table(report: JsonObject) -> str:
