@@ -99,6 +99,7 @@ from dra_driver.node.store import (
     open_store,
 )
 from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice, PrepareOutcome
+from dra_driver.resources.capacity import MEMORY
 from dra_driver.resources.devices import PartitionPolicy, partition_all
 from dra_driver.resources.naming import gpu_device_name
 
@@ -576,6 +577,8 @@ def _device_records(plan: ClaimPlan) -> tuple[DeviceRecord, ...]:
             device=device.result.device,
             admin_access=device.result.admin_access,
             share_id=device.result.share_id,
+            share_bytes=device.result.consumed_capacity.get(MEMORY) if device.share else None,
+            gpu_bytes=device.target.gpu.memory_bytes if device.share else None,
             cdi_device_ids=(device.cdi_device_id,),
             config=config_json(device.config),
             mig=_mig_record(device.target.gpu, device.target.create, device.target.mig)

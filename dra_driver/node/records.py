@@ -60,6 +60,10 @@ class DeviceRecord(_Record):
     device: str
     admin_access: bool = False
     share_id: str | None = None
+    # A share's consumed memory and its GPU's, both in bytes: the store refuses shares of one GPU
+    # that together exceed it. Unknown (None) for a share recovered from its CDI spec.
+    share_bytes: int | None = Field(default=None, exclude_if=lambda value: value is None)
+    gpu_bytes: int | None = Field(default=None, exclude_if=lambda value: value is None)
     cdi_device_ids: tuple[str, ...]
     config: dict[str, Any] | None = None  # the effective opaque config, as the user would write it
     mig: MigRecord | None = None  # set when prepare creates the device (dynamic MIG)

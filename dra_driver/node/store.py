@@ -15,9 +15,10 @@ database itself refuses a second holder, whichever plugin instance writes:
   placement is recorded) or its first slice (an administrator's: placements of existing
   devices never overlap, the hardware saw to that), so a full GPU and a MIG device on it
   exclude each other;
-* a share of a GPU (consumable capacity, a share id) occupies ``share:<id>``; shares of a
-  GPU and an exclusive hold of it exclude each other, which a unique index cannot say, so
-  the same writing transaction checks it with one indexed query;
+* a share of a GPU (consumable capacity, a share id) occupies ``share:<id>`` and its consumed
+  memory; shares of a GPU and an exclusive hold of it exclude each other, and the shares of
+  a GPU together fit its memory, which a unique index cannot say, so the same writing
+  transaction checks both with one indexed query (the sum of the rows, never a cache);
 * an admin-access allocation occupies nothing: a monitoring pod never counts against a device.
 
 **One step is one transaction**, ``BEGIN IMMEDIATE``, short and never across an API or an
@@ -71,6 +72,7 @@ CREATE TABLE claims (
 CREATE TABLE holds (
     pool TEXT NOT NULL, gpu TEXT NOT NULL, unit TEXT NOT NULL, uid TEXT NOT NULL, device TEXT NOT NULL,
     shared INTEGER NOT NULL, mig_uuid TEXT,
+    memory INTEGER,  -- a share's consumed memory (bytes)
     PRIMARY KEY (pool, gpu, unit)  -- one holder per unit of hardware: the exclusivity rule
 ) STRICT, WITHOUT ROWID;
 CREATE INDEX holds_of_mig ON holds (mig_uuid) WHERE mig_uuid IS NOT NULL;
@@ -299,18 +301,21 @@ def _release_holds(db: sqlite3.Connection, uid: str, existing: ClaimRecord | Non
 def _put(db: sqlite3.Connection, uid: str, record: ClaimRecord, existing: ClaimRecord | None) -> None:
     """Write ``record`` (replacing ``existing``) and its holds; :class:`MutationRejected` on a conflict."""
     _release_holds(db, uid, existing)
-    rows: dict[tuple[str, str, str], tuple[DeviceRecord, bool, str | None]] = {}
+    rows: dict[tuple[str, str, str], DeviceRecord] = {}
     for device in record.devices:  # one claim's results may name one device twice: the first one's
         for gpu, unit in units(device):
-            mig_uuid = device.mig.uuid if device.mig is not None else None
-            rows.setdefault((device.pool, gpu, unit), (device, device.share_id is not None, mig_uuid))
+            rows.setdefault((device.pool, gpu, unit), device)
     try:
         db.executemany(
-            "INSERT INTO holds VALUES (?, ?, ?, ?, ?, ?, ?)",
-            [(*key, uid, device.device, shared, mig) for key, (device, shared, mig) in rows.items()],
+            "INSERT INTO holds (pool, gpu, unit, uid, device, shared, mig_uuid, memory) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                (*key, uid, d.device, d.share_id is not None, d.mig.uuid if d.mig else None, d.share_bytes)
+                for key, d in rows.items()
+            ],
         )
     except sqlite3.IntegrityError:  # the primary key: another claim holds one of the units
-        for (pool, gpu, unit), (device, _, _) in rows.items():
+        for (pool, gpu, unit), device in rows.items():
             row = db.execute(
                 "SELECT uid, device FROM holds WHERE pool = ? AND gpu = ? AND unit = ? AND uid != ?",
                 (pool, gpu, unit, uid),
@@ -318,14 +323,18 @@ def _put(db: sqlite3.Connection, uid: str, record: ClaimRecord, existing: ClaimR
             if row is not None:
                 raise MutationRejected(_conflict(device, gpu, row[1], _holder(db, row[0]))) from None
         raise
-    kinds = {(p, g, s): d for (p, g, _), (d, s, _) in rows.items()}  # a GPU's holds are all shares or none
-    for (pool, gpu, shared), device in kinds.items():
-        row = db.execute(
-            "SELECT uid, device FROM holds WHERE pool = ? AND gpu = ? AND shared = ? AND uid != ? LIMIT 1",
-            (pool, gpu, not shared, uid),
+    # A GPU's holds are all shares or none, and its shares fit its memory: one query per GPU.
+    gpus = {(d.pool, gpu, d.share_id is not None): d for (_, gpu, _), d in rows.items()}
+    for (pool, gpu, shared), device in gpus.items():
+        other, used = db.execute(
+            "SELECT (SELECT uid FROM holds WHERE pool = ?1 AND gpu = ?2 AND shared = ?3 AND uid != ?4 "
+            "LIMIT 1), (SELECT total(memory) FROM holds WHERE pool = ?1 AND gpu = ?2 AND shared AND ?5)",
+            (pool, gpu, not shared, uid, shared),
         ).fetchone()
-        if row is not None:
-            raise MutationRejected(_mixed(device, gpu, _holder(db, row[0])))
+        if other is not None:
+            raise MutationRejected(_mixed(device, gpu, _holder(db, other)))
+        if device.gpu_bytes is not None and used > device.gpu_bytes:
+            raise MutationRejected(_overcommitted(db, pool, gpu, uid, used, device.gpu_bytes))
     db.execute(
         "INSERT OR REPLACE INTO claims VALUES (?, ?, ?, ?, ?, ?)",
         (
@@ -386,6 +395,19 @@ def _mixed(device: DeviceRecord, gpu: str, holder: str) -> str:
         else f"device {device.device} cannot be prepared exclusively"
     )
     return f"{what}: claim {holder} holds a share of {gpu} (consumable capacity). {stale}"
+
+
+def _overcommitted(db: sqlite3.Connection, pool: str, gpu: str, uid: str, used: float, capacity: int) -> str:
+    holders = db.execute(
+        "SELECT DISTINCT uid FROM holds WHERE pool = ? AND gpu = ? AND shared AND uid != ? ORDER BY uid",
+        (pool, gpu, uid),
+    ).fetchall()
+    return (
+        f"the shares of device {gpu} would use {used / 2**30:g}Gi of its {capacity / 2**30:g}Gi of memory; "
+        f"its other shares are held by claims {', '.join(_holder(db, u) for (u,) in holders)}. The scheduler "
+        "allocated it from a stale ResourceSlice (or another scheduler shares the node): the kubelet "
+        "retries, and the memory is free once one of those claims is unprepared"
+    )
 
 
 def open_store(path: Path, boot_id: str) -> Opened:

@@ -118,6 +118,20 @@ def test_shares_of_a_gpu_and_an_exclusive_hold_of_it_exclude_each_other(store: S
     assert "prepared exclusively for claim" in refused(store, "s4", record("s4", device("gpu-1", share="c")))
 
 
+def test_shares_of_a_gpu_that_together_exceed_its_memory_are_refused(store: Store) -> None:
+    def share(name: str, gib: int) -> DeviceRecord:
+        sizes = {"share_bytes": gib * 2**30, "gpu_bytes": 80 * 2**30}
+        return device("gpu-1", share=name).model_copy(update=sizes)
+
+    store.commit(Reserve("s1", record("s1", share("a", 50))))
+    message = refused(store, "s2", record("s2", share("b", 40)))
+    assert "the shares of device gpu-1 would use 90Gi of its 80Gi of memory" in message
+    assert "ns/claim-s1 (s1)" in message
+    store.commit(Reserve("s2", record("s2", share("b", 30))))  # what fits is still given
+    store.commit(Release("s1"))
+    store.commit(Reserve("s3", record("s3", share("c", 50))))
+
+
 def test_records_are_replaced_only_by_the_attempt_that_saw_them(store: Store) -> None:
     store.commit(Reserve("a", record("first", "gpu-0", phase="PrepareStarted")))
     with pytest.raises(MutationRejected, match="concurrently"):
