@@ -84,7 +84,7 @@ from dra_driver.node.records import (
     SharingRecord,
     read_boot_id,
 )
-from dra_driver.node.recovery import recover
+from dra_driver.node.recovery import Conflict, recover
 from dra_driver.node.sharing.applier import SharingApplier, SharingError
 from dra_driver.node.sharing.mps import MpsDaemonError, MpsDaemons
 from dra_driver.node.sharing.policy import NO_SHARING, SharingPlan, sharing_plan
@@ -180,6 +180,8 @@ class NodePreparer:
         self._on_idle = on_idle
         self._store_path = store_path
         self._store: Store | None = None  # opened by start()
+        # Claims the start's recovery could not record (another claim held their device).
+        self.recovery_conflicts: list[Conflict] = []
         self._locks = _ClaimLocks()
         self._partitioner = Partitioner(backend, self._state, on_inventory_changed)
         self._in_flight: set[asyncio.Task[Any]] = set()  # claim operations still running
@@ -193,7 +195,7 @@ class NodePreparer:
 
     def _open(self) -> Store:
         opened = open_store(self._store_path, read_boot_id(self._boot_id_path))
-        recover(opened, self._specs, self._pool, self._live_mig_devices)
+        self.recovery_conflicts = recover(opened, self._specs, self._pool, self._live_mig_devices)
         return opened.store
 
     def close(self) -> None:

@@ -84,7 +84,11 @@ _GPU_NAME = re.compile(r"(gpu-\d+)(?:-maintenance)?")
 
 
 class MutationRejected(Exception):
-    """The change contradicts the store; the message is for the user."""
+    """The change contradicts the store; the message is for the user, ``holder`` the claim in the way."""
+
+    def __init__(self, message: str, holder: str | None = None) -> None:
+        super().__init__(message)
+        self.holder = holder
 
 
 class StoreWriteError(Exception):
@@ -321,7 +325,7 @@ def _put(db: sqlite3.Connection, uid: str, record: ClaimRecord, existing: ClaimR
                 (pool, gpu, unit, uid),
             ).fetchone()
             if row is not None:
-                raise MutationRejected(_conflict(device, gpu, row[1], _holder(db, row[0]))) from None
+                raise MutationRejected(_conflict(device, gpu, row[1], _holder(db, row[0])), row[0]) from None
         raise
     # A GPU's holds are all shares or none, and its shares fit its memory: one query per GPU.
     gpus = {(d.pool, gpu, d.share_id is not None): d for (_, gpu, _), d in rows.items()}
@@ -332,7 +336,7 @@ def _put(db: sqlite3.Connection, uid: str, record: ClaimRecord, existing: ClaimR
             (pool, gpu, not shared, uid, shared),
         ).fetchone()
         if other is not None:
-            raise MutationRejected(_mixed(device, gpu, _holder(db, other)))
+            raise MutationRejected(_mixed(device, gpu, _holder(db, other)), other)
         if device.gpu_bytes is not None and used > device.gpu_bytes:
             raise MutationRejected(_overcommitted(db, pool, gpu, uid, used, device.gpu_bytes))
     db.execute(
