@@ -82,6 +82,7 @@ from dra_driver.node.records import (
     MigRecord,
     NodeState,
     SharingRecord,
+    SharingState,
     read_boot_id,
 )
 from dra_driver.node.recovery import Conflict, recover
@@ -365,7 +366,7 @@ class NodePreparer:
                         plan,
                         sharing,
                         existing,
-                        store.snapshot() if sharing.changes_anything else NodeState(),
+                        store.sharing() if sharing.changes_anything else SharingState(),
                     ),
                 )
                 reserve = Reserve(ref.uid, record, replaces=existing.attempt if existing else None)
@@ -445,7 +446,7 @@ class NodePreparer:
             mps_daemon=old.sharing.mps_daemon if old.sharing.mps_daemon != daemon else None,
         )
         try:
-            await self._sharing.undo(uid, replaced, self._state().snapshot())
+            await self._sharing.undo(uid, replaced, self._state().sharing())
         except SharingError as error:
             log.error("sharing an earlier attempt applied could not be undone", error=str(error))
 
@@ -489,7 +490,7 @@ class NodePreparer:
     ) -> None:
         try:
             if sharing is not None:
-                await self._sharing.undo(uid, sharing, self._state().snapshot())
+                await self._sharing.undo(uid, sharing, self._state().sharing())
             all_destroyed = await self._destroy_created(created)
             self._specs.remove(uid)
             if all_destroyed:
@@ -539,11 +540,10 @@ class NodePreparer:
         stop the GPU's daemon and restore its compute mode.
         """
         async with self._sharing.lock:
-            state = self._state().snapshot()
-            record = state.claims.get(uid)
+            record = self._state().claim(uid)
             if record is None or record.sharing is None:
                 return record
-            await self._sharing.undo(uid, record.sharing, state)
+            await self._sharing.undo(uid, record.sharing, self._state().sharing())
             record = record.model_copy(update={"sharing": None})
             self._state().commit(Progress(uid, record))
             return record

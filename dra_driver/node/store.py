@@ -47,23 +47,48 @@ import contextlib
 import re
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
 from dra_driver import crashpoint
-from dra_driver.node.records import ClaimRecord, DeviceRecord, MigRecord, NodeState, describe
+from dra_driver.node.records import (
+    ClaimRecord,
+    DeviceRecord,
+    GpuPolicyRecord,
+    MigRecord,
+    NodeState,
+    SharingRecord,
+    SharingState,
+    describe,
+    named,
+)
 
 log = structlog.get_logger(__name__)
 
 STORE_FILE = "state.db"
-SCHEMA_VERSION = 3  # 1 and 2: checkpoint.json (see legacy.py)
+SCHEMA_VERSION = 4  # 1 and 2: checkpoint.json (see legacy.py); 3 lacked the sharing and orphan tables
 GPU_SLICES = 8  # memory slices of the largest MIG-capable GPU: what a full GPU occupies
 BUSY_TIMEOUT_S = 10.0  # the longest wait for the other instance's transaction; they take microseconds
 
-_SCHEMA = """
+_SINCE_4 = """
+CREATE TABLE gpu_settings (  -- what a claim's sharing set on a full GPU, and what its last claim puts back
+    gpu_uuid TEXT NOT NULL, uid TEXT NOT NULL, compute_mode TEXT NOT NULL, time_slice TEXT NOT NULL,
+    previous_compute_mode TEXT NOT NULL, previous_time_slice TEXT NOT NULL, PRIMARY KEY (gpu_uuid, uid)
+) STRICT, WITHOUT ROWID;
+CREATE TABLE mps_daemons (
+    daemon TEXT NOT NULL, uid TEXT NOT NULL, PRIMARY KEY (daemon, uid)
+) STRICT, WITHOUT ROWID;
+CREATE TABLE orphaned_gpu_instances (  -- left by a failed rollback (dra_driver.devices.nvml)
+    gpu_uuid TEXT NOT NULL, profile_id INTEGER NOT NULL, start INTEGER NOT NULL, size INTEGER NOT NULL,
+    PRIMARY KEY (gpu_uuid, profile_id, start, size)
+) STRICT, WITHOUT ROWID;
+"""
+
+_SCHEMA = (
+    """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) STRICT;
 CREATE TABLE claims (
     uid TEXT PRIMARY KEY, namespace TEXT NOT NULL, name TEXT NOT NULL, phase TEXT NOT NULL,
@@ -78,6 +103,9 @@ CREATE TABLE holds (
 CREATE INDEX holds_of_mig ON holds (mig_uuid) WHERE mig_uuid IS NOT NULL;
 CREATE TABLE mig_devices (uuid TEXT PRIMARY KEY, record TEXT NOT NULL) STRICT, WITHOUT ROWID;
 """
+    + _SINCE_4
+)
+
 
 _MIG_NAME = re.compile(r"(gpu-\d+)-mig-.+-(\d+)")
 _GPU_NAME = re.compile(r"(gpu-\d+)(?:-maintenance)?")
@@ -199,7 +227,40 @@ class Store:
     def snapshot(self) -> NodeState:
         rows = self._db.execute("SELECT uid, record FROM claims ORDER BY uid").fetchall()
         (boot_id,) = self._db.execute("SELECT value FROM meta WHERE key = 'boot_id'").fetchone()
-        return NodeState({uid: ClaimRecord.model_validate_json(record) for uid, record in rows}, boot_id)
+        claims = {uid: ClaimRecord.model_validate_json(record) for uid, record in rows}
+        return NodeState(claims, boot_id, self.sharing())
+
+    def sharing(self) -> SharingState:
+        """What the claims' sharing set on the node, from its two tables in one query."""
+        rows = self._db.execute(
+            "SELECT g.uid, c.namespace, c.name, g.gpu_uuid, g.compute_mode, g.time_slice, "
+            "g.previous_compute_mode, g.previous_time_slice FROM gpu_settings g JOIN claims c USING (uid) "
+            "UNION ALL SELECT uid, '', '', daemon, NULL, NULL, NULL, NULL FROM mps_daemons ORDER BY 1"
+        ).fetchall()
+        state = SharingState()
+        for uid, namespace, name, key, mode, time_slice, previous_mode, previous_time_slice in rows:
+            if mode is None:
+                state.daemons.setdefault(key, set()).add(uid)
+                continue
+            setting = GpuPolicyRecord(
+                gpu_uuid=key,
+                compute_mode=mode,
+                time_slice=time_slice,
+                previous_compute_mode=previous_mode,
+                previous_time_slice=previous_time_slice,
+            )
+            state.gpus.setdefault(key, {})[uid] = (named(uid, namespace, name), setting)
+        return state
+
+    def orphans(self) -> list[tuple[str, int, int, int]]:
+        """GPU instances a failed rollback left: (GPU uuid, profile id, placement start, size)."""
+        return self._db.execute("SELECT * FROM orphaned_gpu_instances ORDER BY 1, 3").fetchall()
+
+    def set_orphans(self, orphans: Iterable[tuple[str, int, int, int]]) -> None:
+        """Remember exactly ``orphans`` (what the NVML backend reports), in one transaction."""
+        with self._write() as db:
+            db.execute("DELETE FROM orphaned_gpu_instances")
+            db.executemany("INSERT OR IGNORE INTO orphaned_gpu_instances VALUES (?, ?, ?, ?)", orphans)
 
     def count(self) -> int:
         return int(self._db.execute("SELECT count(*) FROM claims").fetchone()[0])
@@ -300,6 +361,24 @@ def _release_holds(db: sqlite3.Connection, uid: str, existing: ClaimRecord | Non
     if existing is not None:
         rows = {(d.pool, gpu, unit, uid) for d in existing.devices for gpu, unit in units(d)}
         db.executemany("DELETE FROM holds WHERE pool = ? AND gpu = ? AND unit = ? AND uid = ?", rows)
+        if existing.sharing is not None:  # most claims have none: no statement for them
+            db.execute("DELETE FROM gpu_settings WHERE uid = ?", (uid,))
+            db.execute("DELETE FROM mps_daemons WHERE uid = ?", (uid,))
+
+
+def _put_sharing(db: sqlite3.Connection, uid: str, sharing: SharingRecord | None) -> None:
+    """The rows of what the claim's sharing set: the GPUs' settings to restore, its MPS daemon."""
+    if sharing is None:
+        return
+    db.executemany(
+        "INSERT OR REPLACE INTO gpu_settings VALUES (?, ?, ?, ?, ?, ?)",
+        [
+            (g.gpu_uuid, uid, g.compute_mode, g.time_slice, g.previous_compute_mode, g.previous_time_slice)
+            for g in sharing.gpus
+        ],
+    )
+    if sharing.mps_daemon is not None:
+        db.execute("INSERT OR REPLACE INTO mps_daemons VALUES (?, ?)", (sharing.mps_daemon, uid))
 
 
 def _put(db: sqlite3.Connection, uid: str, record: ClaimRecord, existing: ClaimRecord | None) -> None:
@@ -339,6 +418,7 @@ def _put(db: sqlite3.Connection, uid: str, record: ClaimRecord, existing: ClaimR
             raise MutationRejected(_mixed(device, gpu, _holder(db, other)), other)
         if device.gpu_bytes is not None and used > device.gpu_bytes:
             raise MutationRejected(_overcommitted(db, pool, gpu, uid, used, device.gpu_bytes))
+    _put_sharing(db, uid, record.sharing)
     db.execute(
         "INSERT OR REPLACE INTO claims VALUES (?, ?, ?, ?, ?, ?)",
         (
@@ -437,18 +517,36 @@ def open_store(path: Path, boot_id: str) -> Opened:
     with store._write():
         created = db.execute("PRAGMA user_version").fetchone()[0] == 0  # or the other instance made it
         if created:
-            for statement in _SCHEMA.split(";"):
-                if statement.strip():
-                    db.execute(statement)
+            _run(db, _SCHEMA)
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             db.execute("INSERT INTO meta VALUES ('boot_id', ?)", (boot_id,))
             stale = legacy.import_into(db, path.parent, boot_id, lambda db, uid, r: _put(db, uid, r, None))
         else:
+            if db.execute("PRAGMA user_version").fetchone()[0] == 3:
+                _upgrade_from_3(db)
             (recorded,) = db.execute("SELECT value FROM meta WHERE key = 'boot_id'").fetchone()
             stale = None if recorded == boot_id else _forget_earlier_boot(db, recorded, boot_id)
     if created:
         legacy.move_aside(path.parent)
     return Opened(store, stale=stale or (), earlier_boot=stale is not None, moved_aside=moved_aside)
+
+
+def _run(db: sqlite3.Connection, script: str) -> None:
+    for statement in script.split(";"):
+        if statement.strip():
+            db.execute(statement)
+
+
+def _upgrade_from_3(db: sqlite3.Connection) -> None:
+    """Schema 3 lacked a share's memory and the sharing and orphan tables: added, filled from the records.
+
+    The memory of a share recorded by schema 3 is unknown, and counts as none.
+    """
+    db.execute("ALTER TABLE holds ADD COLUMN memory INTEGER")
+    _run(db, _SINCE_4)
+    for uid, text in db.execute("SELECT uid, record FROM claims").fetchall():
+        _put_sharing(db, uid, ClaimRecord.model_validate_json(text).sharing)
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
 
 def _forget_earlier_boot(db: sqlite3.Connection, recorded: str, boot_id: str) -> tuple[str, ...]:
@@ -459,7 +557,8 @@ def _forget_earlier_boot(db: sqlite3.Connection, recorded: str, boot_id: str) ->
         boot_id=boot_id,
         stale_claims=len(stale),
     )
-    for table in ("holds", "claims", "mig_devices"):  # MIG devices do not survive a reboot either
+    # Nor do MIG devices, GPU settings or MPS daemons survive a reboot.
+    for table in ("holds", "claims", "mig_devices", "gpu_settings", "mps_daemons", "orphaned_gpu_instances"):
         db.execute(f"DELETE FROM {table}")
     db.execute("UPDATE meta SET value = ? WHERE key = 'boot_id'", (boot_id,))
     return stale

@@ -13,8 +13,11 @@ from dra_driver.node.records import (
     BootIdUnavailable,
     ClaimRecord,
     DeviceRecord,
+    GpuPolicyRecord,
     MigRecord,
     Phase,
+    SharingRecord,
+    SharingState,
     read_boot_id,
 )
 from dra_driver.node.store import (
@@ -312,3 +315,51 @@ async def test_on_the_event_loop_the_log_is_copied_into_the_file_by_a_worker_thr
     main_only = sqlite3.connect(f"{(tmp_path / STORE_FILE).as_uri()}?immutable=1", uri=True)
     (count,) = main_only.execute("SELECT count(*) FROM claims").fetchone()
     assert count == committed
+
+
+_SCHEMA_3 = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) STRICT;
+CREATE TABLE claims (uid TEXT PRIMARY KEY, namespace TEXT NOT NULL, name TEXT NOT NULL, phase TEXT NOT NULL,
+    attempt TEXT NOT NULL, record TEXT NOT NULL) STRICT, WITHOUT ROWID;
+CREATE TABLE holds (pool TEXT NOT NULL, gpu TEXT NOT NULL, unit TEXT NOT NULL, uid TEXT NOT NULL,
+    device TEXT NOT NULL, shared INTEGER NOT NULL, mig_uuid TEXT, PRIMARY KEY (pool, gpu, unit))
+    STRICT, WITHOUT ROWID;
+CREATE TABLE mig_devices (uuid TEXT PRIMARY KEY, record TEXT NOT NULL) STRICT, WITHOUT ROWID;
+"""
+
+
+def test_a_schema_3_store_gets_the_sharing_and_orphan_tables_and_keeps_its_claims(tmp_path: Path) -> None:
+    setting = GpuPolicyRecord(
+        gpu_uuid="GPU-2",
+        compute_mode="Default",
+        time_slice="Long",
+        previous_compute_mode="Default",
+        previous_time_slice="Default",
+    )
+    sliced = record("a", "gpu-2").model_copy(
+        update={"sharing": SharingRecord(gpus=(setting,), mps_daemon="d")}
+    )
+    db = sqlite3.connect(tmp_path / STORE_FILE)
+    db.executescript(_SCHEMA_3)
+    db.execute("INSERT INTO meta VALUES ('boot_id', ?)", (BOOT,))
+    db.execute(
+        "INSERT INTO claims VALUES ('a', 'ns', 'claim-a', 'PrepareCompleted', 'a', ?)",
+        (sliced.model_dump_json(by_alias=True),),
+    )
+    db.executemany(
+        "INSERT INTO holds VALUES ('node-a', 'gpu-2', ?, 'a', 'gpu-2', 0, NULL)",
+        [(f"slice:{i}",) for i in range(8)],
+    )
+    db.execute("PRAGMA user_version = 3")
+    db.commit()
+    db.close()
+
+    store = open_store(tmp_path / STORE_FILE, BOOT).store
+
+    assert store.claim("a") == sliced
+    assert store.sharing().gpus == {"GPU-2": {"a": ("ns/claim-a (a)", setting)}}
+    assert store.sharing().daemons == {"d": {"a"}}
+    assert "already prepared for claim ns/claim-a (a)" in refused(store, "b", record("b", "gpu-2"))
+    store.commit(Release("a"))
+    assert store.sharing() == SharingState()
+    assert store.orphans() == []
