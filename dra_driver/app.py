@@ -495,6 +495,7 @@ async def _serve(
     labeller = NodeLabeller(api, settings.node_name) if settings.node_labels else None
 
     def publish(latest: Inventory) -> None:
+        preparer.remember_orphans()  # the read destroyed some, or a failed rollback left one
         if labeller is not None:
             labeller.set_desired(node_labels(settings, latest, gpu_health.faults))
         taints = device_taints(latest, gpu_health.tainted, policy)
@@ -558,7 +559,7 @@ async def _serve(
         driver=settings.driver_name,
     )
     await gpu_health.start()  # before publishing too: a faulty GPU is never offered untainted
-    publish(inventory)
+    publish(watch.current)  # as the preparer's start left it (orphaned GPU instances destroyed)
     for ref, devices in preparer.prepared():  # a restarted plugin refreshes what it holds
         claim_status.prepared(ref, devices)
     if metrics is not None:

@@ -191,6 +191,8 @@ class NodePreparer:
     async def start(self) -> None:
         """Open the store (repairing it after a reboot, damage or a crash); call once before serving."""
         self._store = await asyncio.to_thread(self._open)
+        if await asyncio.to_thread(self._partitioner.adopt_orphans):
+            await self._partitioner.changed()  # their slices are reserved, or free again
         await self._sharing.stop_leftover_daemons(self._fresh_state)
         log.info("prepared claims loaded", claims=self._store.count(), path=str(self._store.path))
 
@@ -198,6 +200,11 @@ class NodePreparer:
         opened = open_store(self._store_path, read_boot_id(self._boot_id_path))
         self.recovery_conflicts = recover(opened, self._specs, self._pool, self._live_mig_devices)
         return opened.store
+
+    def remember_orphans(self) -> None:
+        """Record the GPU instances failed rollbacks left, as the last inventory read found them."""
+        if self._store is not None:
+            self._partitioner.remember_orphans()
 
     def close(self) -> None:
         """Close the store's connection (a stopped plugin, a test's preparer)."""

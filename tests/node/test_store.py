@@ -3,6 +3,7 @@ an earlier boot, a damaged file, a newer schema and the files of schema 2 are ha
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 from pathlib import Path
@@ -187,10 +188,12 @@ def test_an_earlier_boots_claims_are_reported_stale_and_dropped(tmp_path: Path) 
     store = open_store(path, BOOT).store
     store.commit(Reserve("a", record("a", "gpu-0")))
     store.add_mig_device(placement(0, 1).model_copy(update={"uuid": "MIG-1"}))
+    store.set_orphans([("GPU-0", 9, 4, 4)])
     opened = open_store(path, "boot-2")
     assert (opened.earlier_boot, opened.stale) == (True, ("a",))
     assert opened.store.snapshot().claims == {}
     assert opened.store.mig_devices() == {}
+    assert opened.store.orphans() == []  # GPU instances do not survive a reboot: another's may be there
     assert not open_store(path, "boot-2").earlier_boot
 
 
@@ -258,16 +261,22 @@ def test_a_schema_2_checkpoint_its_log_and_ledger_are_imported_once_and_moved_as
         [({"c": record("c", device("gpu-2-mig-3g40gb-9-0", mig=mig))}, ["b"])],
     )
     write_ledger_entry(tmp_path, mig)
+    orphan = {"gpu": "GPU-1", "profileId": 9, "start": 4, "size": 4}
+    (tmp_path / "nvml-orphaned-gpu-instances.json").write_text(
+        json.dumps({"bootId": BOOT, "instances": [orphan]})
+    )
 
     store = open_store(tmp_path / STORE_FILE, BOOT).store
 
     assert set(store.snapshot().claims) == {"a", "c"}
     assert store.mig_devices() == {"MIG-abc": mig}
+    assert store.orphans() == [("GPU-1", 9, 4, 4)]
     assert "already prepared" in refused(store, "x", record("x", "gpu-0"))
     assert sorted(p.name for p in tmp_path.glob("*.imported")) == [
         "checkpoint.json.imported",
         "checkpoint.json.log.imported",
         "mig-devices.imported",
+        "nvml-orphaned-gpu-instances.json.imported",
     ]
     store.commit(Release("a"))
     assert set(open_store(tmp_path / STORE_FILE, BOOT).store.snapshot().claims) == {"c"}  # not imported again
