@@ -1,9 +1,12 @@
 """The node's state: one transactional store (sqlite3) for everything the node remembers.
 
 ``state.db`` in the plugin's data directory holds the prepared claims, what their devices
-occupy, and the MIG devices the driver created. Python's own ``sqlite3``, in WAL mode with
-``synchronous=NORMAL``: a commit appends to the write-ahead log without an fsync, which a
-killed process cannot lose; an operating-system crash is a reboot, after which the boot id
+occupy, the MIG devices the driver created, what the claims' sharing set (each GPU's compute
+mode and time slice to restore, each claim's MPS daemon: rows written with the claim's record,
+so the sharing checks, a restore and ``dra-driver state`` read them in one query instead of
+every record), and the GPU instances a failed MIG rollback left. Python's own ``sqlite3``, in
+WAL mode with ``synchronous=NORMAL``: a commit appends to the write-ahead log without an
+fsync, which a killed process cannot lose; an operating-system crash is a reboot, after which the boot id
 (below) sends every record to clean-up anyway, since nothing prepared survives a reboot.
 
 **The exclusivity rules are the schema.** Each record's devices become rows of ``holds``,
@@ -37,7 +40,8 @@ a database or fails ``quick_check`` goes to ``state.db.corrupt-<time>`` and the 
 rebuilt from their CDI specs (:mod:`dra_driver.node.recovery`). A store written by a newer
 schema is refused at start: rolling back an upgrade must not drop the newer driver's records.
 Schema 2 was the ``checkpoint.json`` of earlier versions; its files are imported once
-(:mod:`dra_driver.node.legacy`).
+(:mod:`dra_driver.node.legacy`). Schema 3 lacked a share's memory and the sharing and orphan
+tables; they are added in place, the sharing rows filled from the records.
 """
 
 from __future__ import annotations
