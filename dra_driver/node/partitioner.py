@@ -32,7 +32,7 @@ from dra_driver import crashpoint
 from dra_driver.devices.backend import Backend, DeviceError, DeviceInUseError, PlacementUnavailableError
 from dra_driver.devices.types import Inventory, MigDevice, OrphanedGpuInstance, Placement
 from dra_driver.node.records import MigRecord
-from dra_driver.node.store import Store, StoreWriteError
+from dra_driver.node.store import Orphan, Store, StoreWriteError
 
 log = structlog.get_logger(__name__)
 
@@ -153,9 +153,12 @@ class Partitioner:
         orphans = self._backend.orphaned_gpu_instances()
         if orphans == self._orphans:
             return
-        rows = sorted((o.gpu_uuid, o.profile_id, o.placement.start, o.placement.size) for o in orphans)
+
+        def rows(changed: frozenset[OrphanedGpuInstance]) -> list[Orphan]:
+            return sorted((o.gpu_uuid, o.profile_id, o.placement.start, o.placement.size) for o in changed)
+
         try:
-            self._store().set_orphans(rows)
+            self._store().update_orphans(rows(orphans - self._orphans), rows(self._orphans - orphans))
         except StoreWriteError as error:  # the next MIG operation or inventory read tries again
             log.warning("could not record the GPU instances a failed rollback left", error=str(error))
             return

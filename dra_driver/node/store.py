@@ -111,6 +111,8 @@ CREATE TABLE mig_devices (uuid TEXT PRIMARY KEY, record TEXT NOT NULL) STRICT, W
 )
 
 
+Orphan = tuple[str, int, int, int]  # an orphaned GPU instance: GPU uuid, profile id, placement start, size
+
 _MIG_NAME = re.compile(r"(gpu-\d+)-mig-.+-(\d+)")
 _GPU_NAME = re.compile(r"(gpu-\d+)(?:-maintenance)?")
 
@@ -256,15 +258,22 @@ class Store:
             state.gpus.setdefault(key, {})[uid] = (named(uid, namespace, name), setting)
         return state
 
-    def orphans(self) -> list[tuple[str, int, int, int]]:
+    def orphans(self) -> list[Orphan]:
         """GPU instances a failed rollback left: (GPU uuid, profile id, placement start, size)."""
         return self._db.execute("SELECT * FROM orphaned_gpu_instances ORDER BY 1, 3").fetchall()
 
-    def set_orphans(self, orphans: Iterable[tuple[str, int, int, int]]) -> None:
-        """Remember exactly ``orphans`` (what the NVML backend reports), in one transaction."""
+    def update_orphans(self, added: Iterable[Orphan], gone: Iterable[Orphan]) -> None:
+        """Record GPU instances a failed rollback left, and forget those destroyed, in one transaction.
+
+        Changes, not a replacement: the other instance of a rolling update keeps its rows.
+        """
         with self._write() as db:
-            db.execute("DELETE FROM orphaned_gpu_instances")
-            db.executemany("INSERT OR IGNORE INTO orphaned_gpu_instances VALUES (?, ?, ?, ?)", orphans)
+            db.executemany(
+                "DELETE FROM orphaned_gpu_instances WHERE gpu_uuid = ? AND profile_id = ? "
+                "AND start = ? AND size = ?",
+                gone,
+            )
+            db.executemany("INSERT OR IGNORE INTO orphaned_gpu_instances VALUES (?, ?, ?, ?)", added)
 
     def count(self) -> int:
         return int(self._db.execute("SELECT count(*) FROM claims").fetchone()[0])

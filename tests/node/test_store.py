@@ -188,7 +188,7 @@ def test_an_earlier_boots_claims_are_reported_stale_and_dropped(tmp_path: Path) 
     store = open_store(path, BOOT).store
     store.commit(Reserve("a", record("a", "gpu-0")))
     store.add_mig_device(placement(0, 1).model_copy(update={"uuid": "MIG-1"}))
-    store.set_orphans([("GPU-0", 9, 4, 4)])
+    store.update_orphans([("GPU-0", 9, 4, 4)], [])
     opened = open_store(path, "boot-2")
     assert (opened.earlier_boot, opened.stale) == (True, ("a",))
     assert opened.store.snapshot().claims == {}
@@ -372,3 +372,15 @@ def test_a_schema_3_store_gets_the_sharing_and_orphan_tables_and_keeps_its_claim
     store.commit(Release("a"))
     assert store.sharing() == SharingState()
     assert store.orphans() == []
+
+
+def test_orphaned_gpu_instances_are_changed_row_by_row_so_two_instances_keep_each_others(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / STORE_FILE
+    first, second = open_store(path, BOOT).store, open_store(path, BOOT).store
+    first.update_orphans([("GPU-0", 9, 4, 4)], [])
+    second.update_orphans([("GPU-1", 14, 0, 2)], [])
+    assert first.orphans() == [("GPU-0", 9, 4, 4), ("GPU-1", 14, 0, 2)]
+    first.update_orphans([], [("GPU-0", 9, 4, 4)])  # destroyed once NVML answered
+    assert second.orphans() == [("GPU-1", 14, 0, 2)]
