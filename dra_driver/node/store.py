@@ -499,9 +499,10 @@ def _overcommitted(db: sqlite3.Connection, pool: str, gpu: str, uid: str, used: 
         "SELECT DISTINCT uid FROM holds WHERE pool = ? AND gpu = ? AND shared AND uid != ? ORDER BY uid",
         (pool, gpu, uid),
     ).fetchall()
+    others = ", ".join(_holder(db, u) for (u,) in holders) or "none (this claim's own shares)"
     return (
         f"the shares of device {gpu} would use {used / 2**30:g}Gi of its {capacity / 2**30:g}Gi of memory; "
-        f"its other shares are held by claims {', '.join(_holder(db, u) for (u,) in holders)}. The scheduler "
+        f"its other shares are held by claims {others}. The scheduler "
         "allocated it from a stale ResourceSlice (or another scheduler shares the node): the kubelet "
         "retries, and the memory is free once one of those claims is unprepared"
     )
