@@ -41,6 +41,7 @@ from dra_driver.labels.labeller import NodeLabeller
 from dra_driver.memory import HeapTrimmer, settle_collector
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
 from dra_driver.node.claim_status import ApiServerClaimStatus, ClaimStatusWriter
+from dra_driver.node.events import report_conflicts
 from dra_driver.node.nvidia_config import NVIDIA_DRIVER_NAME
 from dra_driver.node.preparer import NodePreparer
 from dra_driver.node.sharing.mps import MpsDaemons
@@ -495,6 +496,7 @@ async def _serve(
     labeller = NodeLabeller(api, settings.node_name) if settings.node_labels else None
 
     def publish(latest: Inventory) -> None:
+        preparer.remember_orphans()  # the read destroyed some, or a failed rollback left one
         if labeller is not None:
             labeller.set_desired(node_labels(settings, latest, gpu_health.faults))
         taints = device_taints(latest, gpu_health.tainted, policy)
@@ -553,8 +555,15 @@ async def _serve(
     )
     trimmer = HeapTrimmer(lambda: preparer.busy)  # a burst's freed memory goes back to the kernel
     await preparer.start()  # before publishing: it knows which MIG devices are the driver's own
+    await report_conflicts(
+        JsonApi(api),
+        preparer.recovery_conflicts,
+        node_name=settings.node_name,
+        node_uid=own_node_uid,
+        driver=settings.driver_name,
+    )
     await gpu_health.start()  # before publishing too: a faulty GPU is never offered untainted
-    publish(inventory)
+    publish(watch.current)  # as the preparer's start left it (orphaned GPU instances destroyed)
     for ref, devices in preparer.prepared():  # a restarted plugin refreshes what it holds
         claim_status.prepared(ref, devices)
     if metrics is not None:

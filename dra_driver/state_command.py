@@ -4,7 +4,8 @@ It opens ``state.db`` in the plugin's data directory read-only, so it works besi
 plugin (the store's write-ahead log lets a reader see the last committed state without
 waiting for, or blocking, a writer) and on a stopped one. It prints the prepared claims and
 their devices, the MIG devices the driver created, the MPS control daemons the claims use,
-and the GPU compute modes and time slices that their unprepare puts back: as tables, or as
+the GPU compute modes and time slices that their unprepare puts back, and the GPU instances a
+failed rollback left (each a table of the store, read in one query): as tables, or as
 one JSON document with ``-o json`` (for scripts and bug reports).
 """
 
@@ -31,7 +32,7 @@ def read(data_dir: Path) -> dict[str, Any]:
     try:
         store = open_read_only(path)
         try:
-            state, migs = store.snapshot(), store.mig_devices()
+            state, migs, orphans = store.snapshot(), store.mig_devices(), store.orphans()
         finally:
             store.close()
     except sqlite3.Error as error:
@@ -41,8 +42,22 @@ def read(data_dir: Path) -> dict[str, Any]:
         "bootId": state.boot_id,
         "claims": [_claim(uid, record) for uid, record in state.claims.items()],
         "migDevices": [_mig(mig) for mig in migs.values()],
-        "mpsDaemons": _daemons(state.claims),
-        "computeModesToRestore": _restores(state.claims),
+        "mpsDaemons": [
+            {"id": d, "claims": sorted(uids)} for d, uids in sorted(state.sharing.daemons.items())
+        ],
+        "computeModesToRestore": [
+            {
+                "gpuUuid": gpu,
+                "computeMode": next(iter(claims.values()))[1].previous_compute_mode,
+                "timeSlice": next(iter(claims.values()))[1].previous_time_slice,
+                "claims": list(claims),
+            }
+            for gpu, claims in sorted(state.sharing.gpus.items())
+        ],
+        "orphanedGpuInstances": [
+            {"gpuUuid": gpu, "profileId": profile, "placementStart": start, "placementSize": size}
+            for gpu, profile, start, size in orphans
+        ],
     }
 
 
@@ -97,6 +112,16 @@ def render(document: dict[str, Any], output: str) -> str:
             "no compute modes to restore",
         )
     )
+    parts.append(
+        _table(
+            ("GPU INSTANCE LEFT BY A FAILED ROLLBACK", "PROFILE ID", "PLACEMENT"),
+            [
+                (o["gpuUuid"], str(o["profileId"]), f"{o['placementStart']}+{o['placementSize']}")
+                for o in document["orphanedGpuInstances"]
+            ],
+            "no GPU instances left by a failed rollback",
+        )
+    )
     return "\n\n".join(parts)
 
 
@@ -114,31 +139,6 @@ def _claim(uid: str, record: ClaimRecord) -> dict[str, Any]:
 
 def _mig(mig: MigRecord) -> dict[str, Any]:
     return mig.model_dump(mode="json", by_alias=True)
-
-
-def _daemons(claims: dict[str, ClaimRecord]) -> list[dict[str, Any]]:
-    users: dict[str, list[str]] = {}
-    for uid, record in claims.items():
-        if record.sharing is not None and record.sharing.mps_daemon:
-            users.setdefault(record.sharing.mps_daemon, []).append(uid)
-    return [{"id": daemon, "claims": uids} for daemon, uids in sorted(users.items())]
-
-
-def _restores(claims: dict[str, ClaimRecord]) -> list[dict[str, Any]]:
-    gpus: dict[str, dict[str, Any]] = {}
-    for uid, record in claims.items():
-        for gpu in record.sharing.gpus if record.sharing else ():
-            entry = gpus.setdefault(
-                gpu.gpu_uuid,
-                {
-                    "gpuUuid": gpu.gpu_uuid,
-                    "computeMode": gpu.previous_compute_mode,
-                    "timeSlice": gpu.previous_time_slice,
-                    "claims": [],
-                },
-            )
-            entry["claims"].append(uid)
-    return [gpus[uuid] for uuid in sorted(gpus)]
 
 
 def _device_text(device: dict[str, Any]) -> str:

@@ -4,6 +4,8 @@ deleted behind the driver's back. Running pods must keep their GPUs; new pods mu
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from e2e import manifests
@@ -138,3 +140,36 @@ def test_pod_waits_while_the_driver_is_down_and_starts_once_it_is_back(
 
     pod = wait_running(rest, namespace, "one-gpu")  # the kubelet retries with a backoff of at most 10 s
     check_cdi_spec(node, pod_claim(rest, pod, "gpu"))
+
+
+def test_two_specs_that_name_one_gpu_after_a_lost_store_are_a_warning_event_on_the_node(
+    rest: RestClient, node: GpuNode, namespace: str
+) -> None:
+    _, claim = running_one_gpu_pod(rest, node, namespace)
+    uid = claim["metadata"]["uid"]
+    rogue = "0badc0de-0000-4000-8000-000000000001"  # a claim some earlier mistake left a spec of
+    node.driver.stop()
+    spec_file = node.driver.spec_path(uid)
+    rogue_file = node.driver.spec_path(rogue)
+    rogue_file.write_text(spec_file.read_text().replace(uid, rogue))
+    later = spec_file.stat().st_mtime + 3600
+    os.utime(rogue_file, (later, later))  # written after the pod's: the younger claim
+    for lost in node.driver.paths.data.glob("state.db*"):
+        lost.unlink()
+
+    node.driver.start()
+
+    selector = f"involvedObject.kind=Node,involvedObject.name={node.name},reason=PreparedClaimsConflict"
+    (event,) = wait_until(
+        lambda: rest.request("GET", "/api/v1/namespaces/default/events", query={"fieldSelector": selector})[
+            "items"
+        ],
+        timeout_seconds=30,
+        waiting_for="the driver's Event on the Node",
+    )
+    assert event["type"] == "Warning"
+    assert f"claims {uid} and {rogue} hold one device" in event["message"]
+    assert spec_file.exists(), "the pod's claim kept its spec; nothing overwrote it"
+    delete_pod(rest, namespace, "one-gpu")
+    assert not spec_file.exists()
+    node.driver.specs.remove(rogue)

@@ -6,9 +6,10 @@ Methods are blocking (NVML is a C library); callers on the event loop wrap them 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
-from dra_driver.devices.types import ComputePolicy, Inventory, MigDevice, Placement
+from dra_driver.devices.types import ComputePolicy, Inventory, MigDevice, OrphanedGpuInstance, Placement
 
 
 class DeviceError(Exception):
@@ -51,6 +52,15 @@ class Backend(Protocol):
 
     def set_compute_policy(self, gpu_uuid: str, policy: ComputePolicy) -> None:
         """Set the full GPU's compute mode, then its time slice; on failure the GPU is left as it was."""
+        ...
+
+    def orphaned_gpu_instances(self) -> frozenset[OrphanedGpuInstance]:
+        """The GPU instances failed rollbacks left that are not destroyed yet: for the node to remember."""
+        ...
+
+    def adopt_orphaned_gpu_instances(self, orphans: Iterable[OrphanedGpuInstance]) -> None:
+        """Those an earlier run of the driver left (as the node remembered them): kept off the
+        inventory's devices, and destroyed now or at an inventory read once NVML lets them go."""
         ...
 
     def close(self) -> None:

@@ -19,8 +19,9 @@ answers for a call it lacks, like NotSupported. Every public method runs NVML
 in a worker thread and gives up after ``call_timeout`` seconds, so an NVML call
 that hangs fails one operation with a clear error instead of hanging the daemon. A GPU
 instance that a failed creation's rollback could not destroy is remembered
-(:mod:`~dra_driver.devices.nvml_orphans`), kept off the published devices, and destroyed at the
-next inventory read or start once NVML answers.
+(:class:`~dra_driver.devices.types.OrphanedGpuInstance`; the node keeps them in its store and
+hands them back at start), kept off the published devices, and destroyed at the next inventory
+read, or when handed back, once NVML answers.
 
 Profile names come from go-nvlib's formula (:func:`mig_profile_name`), never
 from the name NVML reports in its v2 profile struct: NVIDIA's DRA driver and
@@ -37,7 +38,7 @@ import os
 import queue
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -59,7 +60,6 @@ from dra_driver.devices.naming import (
     split_pci_device_id,
 )
 from dra_driver.devices.nvcaps import caps_major, ensure_node, read_capability
-from dra_driver.devices.nvml_orphans import ORPHANS_FILE, Orphan, OrphanRecord, boot_id
 from dra_driver.devices.nvml_policy import NvmlComputePolicy
 from dra_driver.devices.topology import NVSWITCH_WITHOUT_ADDRESS
 from dra_driver.devices.types import (
@@ -72,6 +72,7 @@ from dra_driver.devices.types import (
     MigProfile,
     Placement,
 )
+from dra_driver.devices.types import OrphanedGpuInstance as Orphan
 
 log = structlog.get_logger(__name__)
 
@@ -163,9 +164,10 @@ class NvmlBackend:
         self._last_read: dict[int, Gpu] = {}  # by NVML index, from the last inventory
         self._owned_in_memory: set[str] = set()  # without a state directory
         self._mig_mode_switches = 0
-        self._orphans = OrphanRecord(
-            state_dir / ORPHANS_FILE if state_dir is not None else None, boot_id(procfs_root)
-        )
+        # GPU instances failed rollbacks left (the node remembers them in its store). NVML work runs
+        # in several worker threads at once, hence the lock.
+        self._orphans: set[Orphan] = set()
+        self._orphans_lock = threading.Lock()
         library = _preload_nvml(driver_root) if driver_root is not None else None
         self._policy = NvmlComputePolicy(driver_root or Path("/"), library, state_dir)
         try:
@@ -191,12 +193,21 @@ class NvmlBackend:
             self._bounded("reconciling MIG mode", self._reconcile_mig_mode)
         except DeviceError as e:  # the GPUs still work; their MIG mode waits for the next start
             log.warning("mig_mode_reconcile_failed", error=str(e))
-        try:
-            self._bounded("destroying orphaned GPU instances", self._destroy_orphans)
-        except DeviceError as e:  # tried again at every inventory read
-            log.warning("orphaned_gpu_instances_not_destroyed", error=str(e))
 
     # --- Backend -----------------------------------------------------------------------------------
+
+    def orphaned_gpu_instances(self) -> frozenset[Orphan]:
+        with self._orphans_lock:
+            return frozenset(self._orphans)
+
+    def adopt_orphaned_gpu_instances(self, orphans: Iterable[Orphan]) -> None:
+        with self._orphans_lock:
+            self._orphans |= set(orphans)
+        if self._orphans and not self._read_only:
+            try:
+                self._bounded("destroying orphaned GPU instances", self._destroy_orphans)
+            except DeviceError as e:  # tried again at every inventory read
+                log.warning("orphaned_gpu_instances_not_destroyed", error=str(e))
 
     def inventory(self) -> Inventory:
         return self._bounded("reading the GPU inventory", self._inventory)
@@ -229,7 +240,7 @@ class NvmlBackend:
             self._destroy_mig_device(mig.parent_uuid, mig.uuid)
         except (pynvml.NVMLError, DeviceError) as e:
             log.error("abandoned_mig_device_not_destroyed", gpu=mig.parent_uuid, mig=mig.uuid, error=str(e))
-            self._orphans.add(Orphan(mig.parent_uuid, mig.profile_id, mig.placement))
+            self._orphan(Orphan(mig.parent_uuid, mig.profile_id, mig.placement))
             return
         log.warning("abandoned_mig_device_destroyed", gpu=mig.parent_uuid, mig=mig.uuid)
 
@@ -393,7 +404,7 @@ class NvmlBackend:
             if created is None:
                 raise DeviceError(f"{action}: NVML lists no MIG device for new GPU instance {gi_id}")
             # Whoever destroyed an orphan here (an administrator, a GPU reset), it is not this one.
-            self._orphans.discard_overlapping(parent_uuid, placement)
+            self._forget_orphans(lambda o: o.gpu_uuid == parent_uuid and o.placement.overlaps(placement))
             return MigDevice(
                 uuid=created.uuid,
                 parent_uuid=parent_uuid,
@@ -576,7 +587,7 @@ class NvmlBackend:
         driver does not publish. Both are *reserved*: no device is offered that overlaps them, and
         so is an orphan of a failed rollback that still has its compute instance.
         """
-        orphans = {o for o in self._orphans.entries() if o.gpu_uuid == gpu_uuid}
+        orphans = {o for o in self.orphaned_gpu_instances() if o.gpu_uuid == gpu_uuid}
         by_instance: dict[int, list[_MigHandle]] = {}
         for mig in self._mig_handles(handle):
             by_instance.setdefault(mig.gpu_instance_id, []).append(mig)
@@ -863,7 +874,7 @@ class NvmlBackend:
         """Roll back a half-made MIG device: each step tried again, never given up on silently.
 
         The caller is already failing, so a failure here is logged, not raised. A GPU instance
-        that outlives every attempt is recorded as an orphan (:mod:`nvml_orphans`): the
+        that outlives every attempt is recorded as an orphan (:meth:`orphaned_gpu_instances`): the
         inventory lists its slices as reserved and destroys it once NVML answers again.
         """
         steps = [("compute instance", pynvml.nvmlComputeInstanceDestroy, compute_instance)]
@@ -885,7 +896,7 @@ class NvmlBackend:
                     )
             else:
                 # A GPU instance with its compute instance still there cannot be destroyed either.
-                self._orphans.add(orphan)
+                self._orphan(orphan)
                 log.error(
                     "gpu_instance_orphaned",
                     gpu=orphan.gpu_uuid,
@@ -897,11 +908,12 @@ class NvmlBackend:
 
     def _destroy_orphans(self) -> None:
         """Destroy the GPU instances failed rollbacks left behind; those NVML still refuses stay recorded."""
-        for orphan in sorted(self._orphans.entries()):
+        for orphan in sorted(self.orphaned_gpu_instances()):
             try:
                 handle = pynvml.nvmlDeviceGetHandleByUUID(orphan.gpu_uuid)
             except pynvml.NVMLError_NotFound:
-                self._orphans.discard(orphan)  # the GPU is gone from the node, and its instances with it
+                # The GPU is gone from the node, and its instances with it.
+                self._forget_orphans(orphan.__eq__)
                 continue
             except pynvml.NVMLError as e:
                 log.warning("orphaned_gpu_instance_not_destroyed", gpu=orphan.gpu_uuid, error=str(e))
@@ -916,8 +928,19 @@ class NvmlBackend:
                     error=str(e),
                 )
                 continue
-            self._orphans.discard(orphan)
+            self._forget_orphans(orphan.__eq__)
             self._switch_mig_mode_off_if_unused(handle, orphan.gpu_uuid)
+
+    def _orphan(self, orphan: Orphan) -> None:
+        with self._orphans_lock:
+            self._orphans.add(orphan)
+
+    def _forget_orphans(self, gone: Callable[[Orphan], bool]) -> None:
+        with self._orphans_lock:
+            stale = {o for o in self._orphans if gone(o)}
+            self._orphans -= stale
+        if stale:
+            log.info("orphan_record_gone", placements=sorted((o.gpu_uuid, o.placement.start) for o in stale))
 
     def _destroy_orphan(self, handle: Any, orphan: Orphan) -> None:
         """The orphan's compute instances, then its GPU instance; nothing if it is gone (a GPU reset)."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from dra_driver.devices.backend import DeviceError, DeviceInUseError, PlacementUnavailableError
@@ -47,6 +47,7 @@ from dra_driver.devices.types import (
     Inventory,
     MigDevice,
     MigProfile,
+    OrphanedGpuInstance,
     Placement,
     TimeSlice,
 )
@@ -210,6 +211,12 @@ class SimulatedBackend:
                 )
             sim.compute_mode = policy.compute_mode.value
             sim.time_slice = policy.time_slice.value
+
+    def orphaned_gpu_instances(self) -> frozenset[OrphanedGpuInstance]:
+        return frozenset()  # creating a simulated MIG device is one step: there is no rollback
+
+    def adopt_orphaned_gpu_instances(self, orphans: Iterable[OrphanedGpuInstance]) -> None:
+        pass
 
     def close(self) -> None:
         """Nothing to release: all state is in the file."""

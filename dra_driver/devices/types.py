@@ -28,6 +28,20 @@ class Placement:
         return self.start < other.start + other.size and other.start < self.start + self.size
 
 
+@dataclass(frozen=True, order=True)
+class OrphanedGpuInstance:
+    """A GPU instance the driver created and a failed rollback left: nobody holds it, and its
+    memory slices are lost to every claim until it is destroyed.
+
+    Named by its GPU, profile and placement, not by its id: placements on one GPU never
+    overlap, and the rollback may have failed before NVML told the id.
+    """
+
+    gpu_uuid: str
+    profile_id: int
+    placement: Placement
+
+
 @dataclass(frozen=True)
 class MigProfile:
     """One GPU-instance profile of a MIG-capable GPU, as ``nvidia-smi mig -lgip`` lists it."""

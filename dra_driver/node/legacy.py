@@ -4,7 +4,8 @@ Those versions kept a snapshot (``checkpoint.json``: ``{"schemaVersion": 2, "che
 "sha256:<hex>", "payload": {"bootId", "generation", "claims"}}``), a log of the changes since
 (``checkpoint.json.log``: a header line ``{"base", "epoch"}``, then one checksummed entry per
 commit, ``{"generation", "set", "delete"}``, each continuing the generation before it), and one
-file per MIG device they created (``mig-devices/<uuid>.json``). The first start of this version
+file per MIG device they created (``mig-devices/<uuid>.json``), and the GPU instances a failed
+rollback left (``nvml-orphaned-gpu-instances.json``). The first start of this version
 reads them once, inside the transaction that creates the store, inserts each claim through the
 store's constraint-checked path, and then moves the files aside (``*.imported``): a node keeps
 its prepared claims across the upgrade. A claim the checks refuse is logged with both claims'
@@ -31,7 +32,8 @@ log = structlog.get_logger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.json"
 MIG_LEDGER_DIR = "mig-devices"
-_FILES = (CHECKPOINT_FILE, f"{CHECKPOINT_FILE}.log", MIG_LEDGER_DIR)
+ORPHANS_FILE = "nvml-orphaned-gpu-instances.json"
+_FILES = (CHECKPOINT_FILE, f"{CHECKPOINT_FILE}.log", MIG_LEDGER_DIR, ORPHANS_FILE)
 
 
 def canonical_json(value: Any) -> bytes:
@@ -48,6 +50,10 @@ def import_into(
 
     Runs inside the store's creating transaction; raises ``StoreFromNewerDriver`` for a newer schema.
     """
+    db.executemany(
+        "INSERT OR IGNORE INTO orphaned_gpu_instances VALUES (?, ?, ?, ?)",
+        _orphans(directory / ORPHANS_FILE, boot_id),
+    )
     snapshot = directory / CHECKPOINT_FILE
     if not snapshot.exists():
         return None
@@ -154,3 +160,23 @@ def _ledger(directory: Path) -> dict[str, MigRecord]:
         if mig.uuid == entry.name.removesuffix(".json"):
             found[mig.uuid] = mig
     return found
+
+
+def _orphans(path: Path, boot_id: str) -> list[tuple[str, int, int, int]]:
+    """The GPU instances a failed rollback left, of this boot: ``{"bootId", "instances": [{"gpu",
+    "profileId", "start", "size"}]}``."""
+    try:
+        document = json.loads(path.read_bytes())
+        if document.get("bootId") != boot_id:
+            return []  # MIG instances do not survive a reboot
+        return [
+            (str(e["gpu"]), int(e["profileId"]), int(e["start"]), int(e["size"]))
+            for e in document["instances"]
+        ]
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
+        log.warning(
+            "skipping the unreadable record of orphaned GPU instances", file=str(path), error=str(error)
+        )
+        return []

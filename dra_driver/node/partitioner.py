@@ -15,7 +15,10 @@ so a burst of changes (seven MIG devices on one GPU) costs a few reads, not seve
 
 Each device created is also entered in the store's table of MIG devices the driver
 made, and leaves it when it is destroyed, so the driver still knows its own devices
-after losing a claim's record.
+after losing a claim's record. The GPU instances a failed rollback left, which the
+backend reports, are kept in step with the store's table of them after every MIG
+operation and inventory read (:meth:`Partitioner.remember_orphans`), so that the next
+start hands them back to the backend to destroy.
 """
 
 from __future__ import annotations
@@ -27,15 +30,27 @@ import structlog
 
 from dra_driver import crashpoint
 from dra_driver.devices.backend import Backend, DeviceError, DeviceInUseError, PlacementUnavailableError
-from dra_driver.devices.types import Inventory, MigDevice, Placement
+from dra_driver.devices.types import Inventory, MigDevice, OrphanedGpuInstance, Placement
 from dra_driver.node.records import MigRecord
-from dra_driver.node.store import Store, StoreWriteError
+from dra_driver.node.store import Orphan, Store, StoreWriteError
 
 log = structlog.get_logger(__name__)
 
 
 class PartitionError(Exception):
     """A MIG device could not be created or destroyed; the message is for the user."""
+
+
+def _create_failed(device: str, error: DeviceError) -> PartitionError:
+    if isinstance(error, PlacementUnavailableError):
+        return PartitionError(
+            f"cannot create MIG device {device}: {error}. The claim was allocated from a stale "
+            "ResourceSlice; the kubelet retries, and if this persists delete the pod so that "
+            "the claim is allocated again"
+        )
+    if isinstance(error, DeviceInUseError):
+        return PartitionError(f"cannot create MIG device {device} yet: {error}")
+    return PartitionError(f"cannot create MIG device {device}: {error}")
 
 
 class Partitioner:
@@ -54,6 +69,7 @@ class Partitioner:
         self._reading = asyncio.Lock()
         self._changes = 0  # changes reported so far
         self._delivered = 0  # changes the last delivered inventory includes
+        self._orphans: frozenset[OrphanedGpuInstance] = frozenset()  # as the store has them
 
     async def create(self, device: str, mig: MigRecord) -> MigDevice:
         """Create the MIG device ``mig`` describes (named ``device`` in the slices)."""
@@ -64,16 +80,9 @@ class Partitioner:
                 created = await asyncio.to_thread(
                     self._backend.create_mig_device, mig.parent_uuid, mig.profile_id, placement
                 )
-            except PlacementUnavailableError as error:
-                raise PartitionError(
-                    f"cannot create MIG device {device}: {error}. The claim was allocated from a stale "
-                    "ResourceSlice; the kubelet retries, and if this persists delete the pod so that "
-                    "the claim is allocated again"
-                ) from error
-            except DeviceInUseError as error:
-                raise PartitionError(f"cannot create MIG device {device} yet: {error}") from error
             except DeviceError as error:
-                raise PartitionError(f"cannot create MIG device {device}: {error}") from error
+                self.remember_orphans()  # a failed rollback may have left a GPU instance
+                raise _create_failed(device, error) from error
             crashpoint.reached("mig.after_create")
             try:
                 self._store().add_mig_device(mig.model_copy(update={"uuid": created.uuid}))
@@ -121,10 +130,39 @@ class Partitioner:
                 log.warning("re-reading the GPUs after a MIG change failed", error=str(error))
                 return
             self._delivered = covered
+            self.remember_orphans()  # the read destroys those NVML lets go now
             try:
                 self._on_inventory_changed(latest)
             except Exception:  # publishing is the app's business; it must not undo a done prepare
                 log.exception("handing on the inventory after a MIG change failed")
+
+    def adopt_orphans(self) -> bool:
+        """Hand the backend the orphaned GPU instances the store remembers (blocking: NVML destroys
+        those it can at once); whether there were any."""
+        self._orphans = frozenset(
+            OrphanedGpuInstance(gpu, profile, Placement(start, size))
+            for gpu, profile, start, size in self._store().orphans()
+        )
+        if self._orphans:
+            self._backend.adopt_orphaned_gpu_instances(self._orphans)
+            self.remember_orphans()
+        return bool(self._orphans)
+
+    def remember_orphans(self) -> None:
+        """Write the backend's orphaned GPU instances to the store, when they changed since the last write."""
+        orphans = self._backend.orphaned_gpu_instances()
+        if orphans == self._orphans:
+            return
+
+        def rows(changed: frozenset[OrphanedGpuInstance]) -> list[Orphan]:
+            return sorted((o.gpu_uuid, o.profile_id, o.placement.start, o.placement.size) for o in changed)
+
+        try:
+            self._store().update_orphans(rows(orphans - self._orphans), rows(self._orphans - orphans))
+        except StoreWriteError as error:  # the next MIG operation or inventory read tries again
+            log.warning("could not record the GPU instances a failed rollback left", error=str(error))
+            return
+        self._orphans = orphans
 
     def _gpu_lock(self, gpu_uuid: str) -> asyncio.Lock:
         return self._gpu_locks.setdefault(gpu_uuid, asyncio.Lock())

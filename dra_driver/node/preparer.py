@@ -83,9 +83,10 @@ from dra_driver.node.records import (
     MigRecord,
     NodeState,
     SharingRecord,
+    SharingState,
     read_boot_id,
 )
-from dra_driver.node.recovery import recover
+from dra_driver.node.recovery import Conflict, recover
 from dra_driver.node.sharing.applier import SharingApplier, SharingError
 from dra_driver.node.sharing.mps import MpsDaemonError, MpsDaemons
 from dra_driver.node.sharing.policy import NO_SHARING, SharingPlan, sharing_plan
@@ -100,6 +101,7 @@ from dra_driver.node.store import (
     open_store,
 )
 from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice, PrepareOutcome
+from dra_driver.resources.capacity import MEMORY
 from dra_driver.resources.devices import PartitionPolicy, partition_all
 from dra_driver.resources.naming import gpu_device_name
 
@@ -183,6 +185,8 @@ class NodePreparer:
         self._on_idle = on_idle
         self._store_path = store_path
         self._store: Store | None = None  # opened by start()
+        # Claims the start's recovery could not record (another claim held their device).
+        self.recovery_conflicts: list[Conflict] = []
         self._locks = _ClaimLocks()
         self._partitioner = Partitioner(backend, self._state, on_inventory_changed)
         self._in_flight: set[asyncio.Task[Any]] = set()  # claim operations still running
@@ -192,6 +196,8 @@ class NodePreparer:
     async def start(self) -> None:
         """Open the store (repairing it after a reboot, damage or a crash); call once before serving."""
         self._store = await asyncio.to_thread(self._open)
+        if await asyncio.to_thread(self._partitioner.adopt_orphans):
+            await self._partitioner.changed()  # their slices are reserved, or free again
         await self._sharing.stop_leftover_daemons(self._fresh_state)
         log.info("prepared claims loaded", claims=self._store.count(), path=str(self._store.path))
 
@@ -199,8 +205,13 @@ class NodePreparer:
         opened = open_store(self._store_path, read_boot_id(self._boot_id_path))
         if opened.earlier_boot and self._metadata is not None:
             self._metadata.remove_all()  # the claims of an earlier boot are prepared no more
-        recover(opened, self._specs, self._pool, self._live_mig_devices)
+        self.recovery_conflicts = recover(opened, self._specs, self._pool, self._live_mig_devices)
         return opened.store
+
+    def remember_orphans(self) -> None:
+        """Record the GPU instances failed rollbacks left, as the last inventory read found them."""
+        if self._store is not None:
+            self._partitioner.remember_orphans()
 
     def close(self) -> None:
         """Close the store's connection (a stopped plugin, a test's preparer)."""
@@ -370,7 +381,7 @@ class NodePreparer:
                         plan,
                         sharing,
                         existing,
-                        store.snapshot() if sharing.changes_anything else NodeState(),
+                        store.sharing() if sharing.changes_anything else SharingState(),
                     ),
                 )
                 reserve = Reserve(ref.uid, record, replaces=existing.attempt if existing else None)
@@ -464,7 +475,7 @@ class NodePreparer:
             mps_daemon=old.sharing.mps_daemon if old.sharing.mps_daemon != daemon else None,
         )
         try:
-            await self._sharing.undo(uid, replaced, self._state().snapshot())
+            await self._sharing.undo(uid, replaced, self._state().sharing())
         except SharingError as error:
             log.error("sharing an earlier attempt applied could not be undone", error=str(error))
 
@@ -510,7 +521,7 @@ class NodePreparer:
     ) -> None:
         try:
             if sharing is not None:
-                await self._sharing.undo(uid, sharing, self._state().snapshot())
+                await self._sharing.undo(uid, sharing, self._state().sharing())
             all_destroyed = await self._destroy_created(created)
             self._specs.remove(uid)
             if all_destroyed:
@@ -561,11 +572,10 @@ class NodePreparer:
         stop the GPU's daemon and restore its compute mode.
         """
         async with self._sharing.lock:
-            state = self._state().snapshot()
-            record = state.claims.get(uid)
+            record = self._state().claim(uid)
             if record is None or record.sharing is None:
                 return record
-            await self._sharing.undo(uid, record.sharing, state)
+            await self._sharing.undo(uid, record.sharing, self._state().sharing())
             record = record.model_copy(update={"sharing": None})
             self._state().commit(Progress(uid, record))
             return record
@@ -601,6 +611,8 @@ def _device_records(plan: ClaimPlan) -> tuple[DeviceRecord, ...]:
             device=device.result.device,
             admin_access=device.result.admin_access,
             share_id=device.result.share_id,
+            share_bytes=device.result.consumed_capacity.get(MEMORY) if device.share else None,
+            gpu_bytes=device.target.gpu.memory_bytes if device.share else None,
             cdi_device_ids=(device.cdi_device_id,),
             config=config_json(device.config),
             mig=_mig_record(device.target.gpu, device.target.create, device.target.mig)

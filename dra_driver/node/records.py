@@ -60,6 +60,10 @@ class DeviceRecord(_Record):
     device: str
     admin_access: bool = False
     share_id: str | None = None
+    # A share's consumed memory and its GPU's, both in bytes: the store refuses shares of one GPU
+    # that together exceed it. Unknown (None) for a share recovered from its CDI spec.
+    share_bytes: int | None = Field(default=None, exclude_if=lambda value: value is None)
+    gpu_bytes: int | None = Field(default=None, exclude_if=lambda value: value is None)
     cdi_device_ids: tuple[str, ...]
     config: dict[str, Any] | None = None  # the effective opaque config, as the user would write it
     mig: MigRecord | None = None  # set when prepare creates the device (dynamic MIG)
@@ -97,18 +101,30 @@ class ClaimRecord(_Record):
 
 
 @dataclass(frozen=True)
+class SharingState:
+    """What the claims' sharing set on the node: the store's ``gpu_settings`` and ``mps_daemons``."""
+
+    gpus: dict[str, dict[str, tuple[str, GpuPolicyRecord]]] = field(default_factory=dict)
+    """GPU uuid -> claim uid -> (the claim as a message names it, what it set and what to restore)."""
+    daemons: dict[str, set[str]] = field(default_factory=dict)  # MPS daemon id -> uids of its claims
+
+
+@dataclass(frozen=True)
 class NodeState:
-    """Every claim the store holds, read in one transaction: by claim uid."""
+    """Every claim the store holds: by claim uid."""
 
     claims: dict[str, ClaimRecord] = field(default_factory=dict)
     boot_id: str = ""  # the boot the store's claims belong to
+    sharing: SharingState = field(default_factory=SharingState)
 
 
 def describe(uid: str, record: ClaimRecord) -> str:
     """A claim as a user's message names it."""
-    if record.namespace:
-        return f"{record.namespace}/{record.name} ({uid})"
-    return f"{uid} (recovered from its CDI spec)"
+    return named(uid, record.namespace, record.name)
+
+
+def named(uid: str, namespace: str, name: str) -> str:
+    return f"{namespace}/{name} ({uid})" if namespace else f"{uid} (recovered from its CDI spec)"
 
 
 class BootIdUnavailable(Exception):

@@ -14,8 +14,9 @@ admin access: ``DRA_GPU_ADMIN_ACCESS_<DEVICE>=true``, the MIG device the driver 
 for it), which keeps those devices reserved until the kubelet's unprepare (or a
 repeated prepare) replaces the record. It is inserted through the store's
 constraint-checked path, like a prepare, oldest spec first: two specs that claim one
-device are logged as a conflict naming both claims, and the younger is not recorded,
-never written over the older. No API call is
+device are a conflict, logged naming both claims and reported as a Warning Event on
+the Node (:mod:`dra_driver.node.events`), and the younger is not recorded, never
+written over the older. No API call is
 needed, nor possible: the spec's file name holds only the claim uid, and asking the
 API server cannot tell more than the kubelet will. A spec that cannot be read is
 removed: no runtime could use it either. A spec another plugin instance holds locked
@@ -59,6 +60,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import structlog
 
@@ -72,17 +74,33 @@ from dra_driver.node.store import MutationRejected, Opened, Progress, Reserve, S
 log = structlog.get_logger(__name__)
 
 
+CONFLICT_ADVICE = "delete the pod of one of the two claims; its unprepare removes its spec"
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """A claim rebuilt from its CDI spec that the store refused: ``holder`` holds its device."""
+
+    uid: str
+    holder: str
+    reason: str
+
+
 def recover(
     opened: Opened, specs: SpecStore, pool: str, live_mig_devices: Callable[[], Sequence[MigDevice]]
-) -> None:
-    """Bring the store up to date; ``live_mig_devices`` reads the MIG devices the GPUs have now."""
+) -> list[Conflict]:
+    """Bring the store up to date; ``live_mig_devices`` reads the MIG devices the GPUs have now.
+
+    The conflicts are for an operator: the caller reports each as a Kubernetes Event.
+    """
     store = opened.store
+    conflicts: list[Conflict] = []
     specs.remove_leftover_temps()
     if opened.earlier_boot:
         for uid in sorted(set(opened.stale) | specs.claim_uids()):
             specs.remove(uid)
         log.info("cleared the claims of an earlier boot", claims=len(opened.stale))
-        return
+        return conflicts
     state = store.snapshot()
     recorded_mig = any(device.mig for record in state.claims.values() for device in record.devices)
     # Reading the GPUs costs a little; a node that never created a MIG device need not.
@@ -114,13 +132,15 @@ def recover(
             continue
         try:
             store.commit(Reserve(uid, rebuilt))
-        except MutationRejected as conflict:
+        except MutationRejected as refused:
             log.error(
-                "two CDI specs claim one device; the second claim is not recorded",
+                "two claims hold one device; the younger one is not recorded",
                 claim_uid=uid,
-                conflict=str(conflict),
-                what_to_do="delete the pod of one of the two claims; its unprepare removes its spec",
+                held_by=refused.holder,
+                conflict=str(refused),
+                what_to_do=CONFLICT_ADVICE,
             )
+            conflicts.append(Conflict(uid, refused.holder or "", str(refused)))
             continue
         for device in rebuilt.devices:
             if device.mig is not None and device.mig.uuid is not None and device.mig.uuid not in ours:
@@ -139,6 +159,7 @@ def recover(
             mig_uuids=unclaimed,
             what_to_do="destroy those no workload uses (nvidia-smi mig -dci, -dgi)",
         )
+    return conflicts
 
 
 def _written(specs: SpecStore, uid: str) -> int:

@@ -1,9 +1,12 @@
 """The node's state: one transactional store (sqlite3) for everything the node remembers.
 
 ``state.db`` in the plugin's data directory holds the prepared claims, what their devices
-occupy, and the MIG devices the driver created. Python's own ``sqlite3``, in WAL mode with
-``synchronous=NORMAL``: a commit appends to the write-ahead log without an fsync, which a
-killed process cannot lose; an operating-system crash is a reboot, after which the boot id
+occupy, the MIG devices the driver created, what the claims' sharing set (each GPU's compute
+mode and time slice to restore, each claim's MPS daemon: rows written with the claim's record,
+so the sharing checks, a restore and ``dra-driver state`` read them in one query instead of
+every record), and the GPU instances a failed MIG rollback left. Python's own ``sqlite3``, in
+WAL mode with ``synchronous=NORMAL``: a commit appends to the write-ahead log without an
+fsync, which a killed process cannot lose; an operating-system crash is a reboot, after which the boot id
 (below) sends every record to clean-up anyway, since nothing prepared survives a reboot.
 
 **The exclusivity rules are the schema.** Each record's devices become rows of ``holds``,
@@ -15,9 +18,10 @@ database itself refuses a second holder, whichever plugin instance writes:
   placement is recorded) or its first slice (an administrator's: placements of existing
   devices never overlap, the hardware saw to that), so a full GPU and a MIG device on it
   exclude each other;
-* a share of a GPU (consumable capacity, a share id) occupies ``share:<id>``; shares of a
-  GPU and an exclusive hold of it exclude each other, which a unique index cannot say, so
-  the same writing transaction checks it with one indexed query;
+* a share of a GPU (consumable capacity, a share id) occupies ``share:<id>`` and its consumed
+  memory; shares of a GPU and an exclusive hold of it exclude each other, and the shares of
+  a GPU together fit its memory, which a unique index cannot say, so the same writing
+  transaction checks both with one indexed query (the sum of the rows, never a cache);
 * an admin-access allocation occupies nothing: a monitoring pod never counts against a device.
 
 **One step is one transaction**, ``BEGIN IMMEDIATE``, short and never across an API or an
@@ -36,7 +40,8 @@ a database or fails ``quick_check`` goes to ``state.db.corrupt-<time>`` and the 
 rebuilt from their CDI specs (:mod:`dra_driver.node.recovery`). A store written by a newer
 schema is refused at start: rolling back an upgrade must not drop the newer driver's records.
 Schema 2 was the ``checkpoint.json`` of earlier versions; its files are imported once
-(:mod:`dra_driver.node.legacy`).
+(:mod:`dra_driver.node.legacy`). Schema 3 lacked a share's memory and the sharing and orphan
+tables; they are added in place, the sharing rows filled from the records.
 """
 
 from __future__ import annotations
@@ -46,23 +51,48 @@ import contextlib
 import re
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
 from dra_driver import crashpoint
-from dra_driver.node.records import ClaimRecord, DeviceRecord, MigRecord, NodeState, describe
+from dra_driver.node.records import (
+    ClaimRecord,
+    DeviceRecord,
+    GpuPolicyRecord,
+    MigRecord,
+    NodeState,
+    SharingRecord,
+    SharingState,
+    describe,
+    named,
+)
 
 log = structlog.get_logger(__name__)
 
 STORE_FILE = "state.db"
-SCHEMA_VERSION = 3  # 1 and 2: checkpoint.json (see legacy.py)
+SCHEMA_VERSION = 4  # 1 and 2: checkpoint.json (see legacy.py); 3 lacked the sharing and orphan tables
 GPU_SLICES = 8  # memory slices of the largest MIG-capable GPU: what a full GPU occupies
 BUSY_TIMEOUT_S = 10.0  # the longest wait for the other instance's transaction; they take microseconds
 
-_SCHEMA = """
+_SINCE_4 = """
+CREATE TABLE gpu_settings (  -- what a claim's sharing set on a full GPU, and what its last claim puts back
+    gpu_uuid TEXT NOT NULL, uid TEXT NOT NULL, compute_mode TEXT NOT NULL, time_slice TEXT NOT NULL,
+    previous_compute_mode TEXT NOT NULL, previous_time_slice TEXT NOT NULL, PRIMARY KEY (gpu_uuid, uid)
+) STRICT, WITHOUT ROWID;
+CREATE TABLE mps_daemons (
+    daemon TEXT NOT NULL, uid TEXT NOT NULL, PRIMARY KEY (daemon, uid)
+) STRICT, WITHOUT ROWID;
+CREATE TABLE orphaned_gpu_instances (  -- left by a failed rollback (dra_driver.devices.nvml)
+    gpu_uuid TEXT NOT NULL, profile_id INTEGER NOT NULL, start INTEGER NOT NULL, size INTEGER NOT NULL,
+    PRIMARY KEY (gpu_uuid, profile_id, start, size)
+) STRICT, WITHOUT ROWID;
+"""
+
+_SCHEMA = (
+    """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) STRICT;
 CREATE TABLE claims (
     uid TEXT PRIMARY KEY, namespace TEXT NOT NULL, name TEXT NOT NULL, phase TEXT NOT NULL,
@@ -71,18 +101,28 @@ CREATE TABLE claims (
 CREATE TABLE holds (
     pool TEXT NOT NULL, gpu TEXT NOT NULL, unit TEXT NOT NULL, uid TEXT NOT NULL, device TEXT NOT NULL,
     shared INTEGER NOT NULL, mig_uuid TEXT,
+    memory INTEGER,  -- a share's consumed memory (bytes)
     PRIMARY KEY (pool, gpu, unit)  -- one holder per unit of hardware: the exclusivity rule
 ) STRICT, WITHOUT ROWID;
 CREATE INDEX holds_of_mig ON holds (mig_uuid) WHERE mig_uuid IS NOT NULL;
 CREATE TABLE mig_devices (uuid TEXT PRIMARY KEY, record TEXT NOT NULL) STRICT, WITHOUT ROWID;
 """
+    + _SINCE_4
+)
+
+
+Orphan = tuple[str, int, int, int]  # an orphaned GPU instance: GPU uuid, profile id, placement start, size
 
 _MIG_NAME = re.compile(r"(gpu-\d+)-mig-.+-(\d+)")
 _GPU_NAME = re.compile(r"(gpu-\d+)(?:-maintenance)?")
 
 
 class MutationRejected(Exception):
-    """The change contradicts the store; the message is for the user."""
+    """The change contradicts the store; the message is for the user, ``holder`` the claim in the way."""
+
+    def __init__(self, message: str, holder: str | None = None) -> None:
+        super().__init__(message)
+        self.holder = holder
 
 
 class StoreWriteError(Exception):
@@ -193,7 +233,47 @@ class Store:
     def snapshot(self) -> NodeState:
         rows = self._db.execute("SELECT uid, record FROM claims ORDER BY uid").fetchall()
         (boot_id,) = self._db.execute("SELECT value FROM meta WHERE key = 'boot_id'").fetchone()
-        return NodeState({uid: ClaimRecord.model_validate_json(record) for uid, record in rows}, boot_id)
+        claims = {uid: ClaimRecord.model_validate_json(record) for uid, record in rows}
+        return NodeState(claims, boot_id, self.sharing())
+
+    def sharing(self) -> SharingState:
+        """What the claims' sharing set on the node, from its two tables in one query."""
+        rows = self._db.execute(
+            "SELECT g.uid, c.namespace, c.name, g.gpu_uuid, g.compute_mode, g.time_slice, "
+            "g.previous_compute_mode, g.previous_time_slice FROM gpu_settings g JOIN claims c USING (uid) "
+            "UNION ALL SELECT uid, '', '', daemon, NULL, NULL, NULL, NULL FROM mps_daemons ORDER BY 1"
+        ).fetchall()
+        state = SharingState()
+        for uid, namespace, name, key, mode, time_slice, previous_mode, previous_time_slice in rows:
+            if mode is None:
+                state.daemons.setdefault(key, set()).add(uid)
+                continue
+            setting = GpuPolicyRecord(
+                gpu_uuid=key,
+                compute_mode=mode,
+                time_slice=time_slice,
+                previous_compute_mode=previous_mode,
+                previous_time_slice=previous_time_slice,
+            )
+            state.gpus.setdefault(key, {})[uid] = (named(uid, namespace, name), setting)
+        return state
+
+    def orphans(self) -> list[Orphan]:
+        """GPU instances a failed rollback left: (GPU uuid, profile id, placement start, size)."""
+        return self._db.execute("SELECT * FROM orphaned_gpu_instances ORDER BY 1, 3").fetchall()
+
+    def update_orphans(self, added: Iterable[Orphan], gone: Iterable[Orphan]) -> None:
+        """Record GPU instances a failed rollback left, and forget those destroyed, in one transaction.
+
+        Changes, not a replacement: the other instance of a rolling update keeps its rows.
+        """
+        with self._write() as db:
+            db.executemany(
+                "DELETE FROM orphaned_gpu_instances WHERE gpu_uuid = ? AND profile_id = ? "
+                "AND start = ? AND size = ?",
+                gone,
+            )
+            db.executemany("INSERT OR IGNORE INTO orphaned_gpu_instances VALUES (?, ?, ?, ?)", added)
 
     def count(self) -> int:
         return int(self._db.execute("SELECT count(*) FROM claims").fetchone()[0])
@@ -294,38 +374,64 @@ def _release_holds(db: sqlite3.Connection, uid: str, existing: ClaimRecord | Non
     if existing is not None:
         rows = {(d.pool, gpu, unit, uid) for d in existing.devices for gpu, unit in units(d)}
         db.executemany("DELETE FROM holds WHERE pool = ? AND gpu = ? AND unit = ? AND uid = ?", rows)
+        if existing.sharing is not None:  # most claims have none: no statement for them
+            db.execute("DELETE FROM gpu_settings WHERE uid = ?", (uid,))
+            db.execute("DELETE FROM mps_daemons WHERE uid = ?", (uid,))
+
+
+def _put_sharing(db: sqlite3.Connection, uid: str, sharing: SharingRecord | None) -> None:
+    """The rows of what the claim's sharing set: the GPUs' settings to restore, its MPS daemon."""
+    if sharing is None:
+        return
+    db.executemany(
+        "INSERT OR REPLACE INTO gpu_settings VALUES (?, ?, ?, ?, ?, ?)",
+        [
+            (g.gpu_uuid, uid, g.compute_mode, g.time_slice, g.previous_compute_mode, g.previous_time_slice)
+            for g in sharing.gpus
+        ],
+    )
+    if sharing.mps_daemon is not None:
+        db.execute("INSERT OR REPLACE INTO mps_daemons VALUES (?, ?)", (sharing.mps_daemon, uid))
 
 
 def _put(db: sqlite3.Connection, uid: str, record: ClaimRecord, existing: ClaimRecord | None) -> None:
     """Write ``record`` (replacing ``existing``) and its holds; :class:`MutationRejected` on a conflict."""
     _release_holds(db, uid, existing)
-    rows: dict[tuple[str, str, str], tuple[DeviceRecord, bool, str | None]] = {}
+    rows: dict[tuple[str, str, str], DeviceRecord] = {}
     for device in record.devices:  # one claim's results may name one device twice: the first one's
         for gpu, unit in units(device):
-            mig_uuid = device.mig.uuid if device.mig is not None else None
-            rows.setdefault((device.pool, gpu, unit), (device, device.share_id is not None, mig_uuid))
+            rows.setdefault((device.pool, gpu, unit), device)
     try:
         db.executemany(
-            "INSERT INTO holds VALUES (?, ?, ?, ?, ?, ?, ?)",
-            [(*key, uid, device.device, shared, mig) for key, (device, shared, mig) in rows.items()],
+            "INSERT INTO holds (pool, gpu, unit, uid, device, shared, mig_uuid, memory) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                (*key, uid, d.device, d.share_id is not None, d.mig.uuid if d.mig else None, d.share_bytes)
+                for key, d in rows.items()
+            ],
         )
     except sqlite3.IntegrityError:  # the primary key: another claim holds one of the units
-        for (pool, gpu, unit), (device, _, _) in rows.items():
+        for (pool, gpu, unit), device in rows.items():
             row = db.execute(
                 "SELECT uid, device FROM holds WHERE pool = ? AND gpu = ? AND unit = ? AND uid != ?",
                 (pool, gpu, unit, uid),
             ).fetchone()
             if row is not None:
-                raise MutationRejected(_conflict(device, gpu, row[1], _holder(db, row[0]))) from None
+                raise MutationRejected(_conflict(device, gpu, row[1], _holder(db, row[0])), row[0]) from None
         raise
-    kinds = {(p, g, s): d for (p, g, _), (d, s, _) in rows.items()}  # a GPU's holds are all shares or none
-    for (pool, gpu, shared), device in kinds.items():
-        row = db.execute(
-            "SELECT uid, device FROM holds WHERE pool = ? AND gpu = ? AND shared = ? AND uid != ? LIMIT 1",
-            (pool, gpu, not shared, uid),
+    # A GPU's holds are all shares or none, and its shares fit its memory: one query per GPU.
+    gpus = {(d.pool, gpu, d.share_id is not None): d for (_, gpu, _), d in rows.items()}
+    for (pool, gpu, shared), device in gpus.items():
+        other, used = db.execute(
+            "SELECT (SELECT uid FROM holds WHERE pool = ?1 AND gpu = ?2 AND shared = ?3 AND uid != ?4 "
+            "LIMIT 1), (SELECT total(memory) FROM holds WHERE pool = ?1 AND gpu = ?2 AND shared AND ?5)",
+            (pool, gpu, not shared, uid, shared),
         ).fetchone()
-        if row is not None:
-            raise MutationRejected(_mixed(device, gpu, _holder(db, row[0])))
+        if other is not None:
+            raise MutationRejected(_mixed(device, gpu, _holder(db, other)), other)
+        if device.gpu_bytes is not None and used > device.gpu_bytes:
+            raise MutationRejected(_overcommitted(db, pool, gpu, uid, used, device.gpu_bytes))
+    _put_sharing(db, uid, record.sharing)
     db.execute(
         "INSERT OR REPLACE INTO claims VALUES (?, ?, ?, ?, ?, ?)",
         (
@@ -388,6 +494,20 @@ def _mixed(device: DeviceRecord, gpu: str, holder: str) -> str:
     return f"{what}: claim {holder} holds a share of {gpu} (consumable capacity). {stale}"
 
 
+def _overcommitted(db: sqlite3.Connection, pool: str, gpu: str, uid: str, used: float, capacity: int) -> str:
+    holders = db.execute(
+        "SELECT DISTINCT uid FROM holds WHERE pool = ? AND gpu = ? AND shared AND uid != ? ORDER BY uid",
+        (pool, gpu, uid),
+    ).fetchall()
+    others = ", ".join(_holder(db, u) for (u,) in holders) or "none (this claim's own shares)"
+    return (
+        f"the shares of device {gpu} would use {used / 2**30:g}Gi of its {capacity / 2**30:g}Gi of memory; "
+        f"its other shares are held by claims {others}. The scheduler "
+        "allocated it from a stale ResourceSlice (or another scheduler shares the node): the kubelet "
+        "retries, and the memory is free once one of those claims is unprepared"
+    )
+
+
 def open_store(path: Path, boot_id: str) -> Opened:
     """Open (or create) the store for this boot; blocks on the file system (see the module doc)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -411,18 +531,36 @@ def open_store(path: Path, boot_id: str) -> Opened:
     with store._write():
         created = db.execute("PRAGMA user_version").fetchone()[0] == 0  # or the other instance made it
         if created:
-            for statement in _SCHEMA.split(";"):
-                if statement.strip():
-                    db.execute(statement)
+            _run(db, _SCHEMA)
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             db.execute("INSERT INTO meta VALUES ('boot_id', ?)", (boot_id,))
             stale = legacy.import_into(db, path.parent, boot_id, lambda db, uid, r: _put(db, uid, r, None))
         else:
+            if db.execute("PRAGMA user_version").fetchone()[0] == 3:
+                _upgrade_from_3(db)
             (recorded,) = db.execute("SELECT value FROM meta WHERE key = 'boot_id'").fetchone()
             stale = None if recorded == boot_id else _forget_earlier_boot(db, recorded, boot_id)
     if created:
         legacy.move_aside(path.parent)
     return Opened(store, stale=stale or (), earlier_boot=stale is not None, moved_aside=moved_aside)
+
+
+def _run(db: sqlite3.Connection, script: str) -> None:
+    for statement in script.split(";"):
+        if statement.strip():
+            db.execute(statement)
+
+
+def _upgrade_from_3(db: sqlite3.Connection) -> None:
+    """Schema 3 lacked a share's memory and the sharing and orphan tables: added, filled from the records.
+
+    The memory of a share recorded by schema 3 is unknown, and counts as none.
+    """
+    db.execute("ALTER TABLE holds ADD COLUMN memory INTEGER")
+    _run(db, _SINCE_4)
+    for uid, text in db.execute("SELECT uid, record FROM claims").fetchall():
+        _put_sharing(db, uid, ClaimRecord.model_validate_json(text).sharing)
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
 
 def _forget_earlier_boot(db: sqlite3.Connection, recorded: str, boot_id: str) -> tuple[str, ...]:
@@ -433,7 +571,8 @@ def _forget_earlier_boot(db: sqlite3.Connection, recorded: str, boot_id: str) ->
         boot_id=boot_id,
         stale_claims=len(stale),
     )
-    for table in ("holds", "claims", "mig_devices"):  # MIG devices do not survive a reboot either
+    # Nor do MIG devices, GPU settings or MPS daemons survive a reboot.
+    for table in ("holds", "claims", "mig_devices", "gpu_settings", "mps_daemons", "orphaned_gpu_instances"):
         db.execute(f"DELETE FROM {table}")
     db.execute("UPDATE meta SET value = ? WHERE key = 'boot_id'", (boot_id,))
     return stale

@@ -30,7 +30,7 @@ from dra_driver.devices.backends import open_backend
 from dra_driver.devices.nvcaps import Capability, ensure_node
 from dra_driver.devices.nvml import NvmlBackend
 from dra_driver.devices.simulated import SimulatedBackend
-from dra_driver.devices.types import Placement
+from dra_driver.devices.types import OrphanedGpuInstance, Placement
 from dra_driver.resources.devices import build_devices
 from tests.mock_nvml import (
     CAPS_MAJOR,
@@ -632,35 +632,20 @@ def test_a_compute_instance_a_failing_rollback_left_is_not_published_and_is_dest
     assert node.gpu_state(0)["gpuInstances"] == []
 
 
-def test_an_orphaned_gpu_instance_is_destroyed_at_the_next_start(
+def test_an_orphaned_gpu_instance_handed_back_at_the_next_start_is_destroyed(
     make_node: Callable[..., Node], tmp_path: Path
 ) -> None:
+    """The node keeps the backend's orphans in its store and hands them back at its next start."""
     hardware = tmp_path / "hardware"
     node = make_node("dgxh100:2", mock_state=hardware)
-    _leak_a_gpu_instance(node, node.backend(), "nvmlGpuInstanceDestroy")
+    first = node.backend()
+    uuid = _leak_a_gpu_instance(node, first, "nvmlGpuInstanceDestroy")
+    remembered = first.orphaned_gpu_instances()
+    assert remembered == {OrphanedGpuInstance(uuid, THREE_G, Placement(4, 3))}
     node.control("clear-faults")
     node.restart("dgxh100:2", hardware)
-    node.backend()  # starting is enough: before any inventory is read
+    node.backend().adopt_orphaned_gpu_instances(remembered)  # before any inventory is read
     assert node.gpu_state(0)["gpuInstances"] == []
-
-
-def test_an_orphan_record_from_before_a_reboot_touches_no_new_gpu_instance(
-    make_node: Callable[..., Node], tmp_path: Path
-) -> None:
-    hardware = tmp_path / "hardware"
-    node = make_node("dgxh100:2", mock_state=hardware)
-    boot = node.procfs / "sys" / "kernel" / "random" / "boot_id"
-    boot.parent.mkdir(parents=True)
-    boot.write_text("boot-1\n")
-    _leak_a_gpu_instance(node, node.backend(), "nvmlGpuInstanceDestroy")
-    node.control("clear-faults")
-    node.restart("dgxh100:2", hardware)
-    node.control("reboot")
-    boot.write_text("boot-2\n")
-    node.control("mig 0 1")  # an administrator's instance where the orphan was
-    gi = node.control(f"create-gi 0 {THREE_G} 4")
-    node.backend().inventory()
-    assert [g["id"] for g in node.gpu_state(0)["gpuInstances"]] == [int(gi)]
 
 
 def test_a_control_node_that_loads_after_start_is_in_the_next_inventory(node: Node) -> None:
@@ -691,6 +676,7 @@ def test_a_read_only_backend_changes_nothing_it_would_otherwise_clean_up(node: N
     node.control("clear-faults")
     before = node.mock.state()
     reader = node.backend(read_only=True)  # would reconcile MIG mode and destroy the orphan at start
+    reader.adopt_orphaned_gpu_instances(backend.orphaned_gpu_instances())
     assert reader.inventory().gpus[0].reserved_placements == (("3g.40gb", Placement(4, 3)),)
     for change in (
         lambda: reader.create_mig_device(uuid, ONE_G, Placement(0, 1)),

@@ -77,10 +77,11 @@ async def test_two_specs_that_hold_one_gpu_are_reported_by_both_names_and_neithe
         second = await node.started()
 
     (conflict,) = [
-        e for e in logs if e["event"] == "two CDI specs claim one device; the second claim is not recorded"
+        e for e in logs if e["event"] == "two claims hold one device; the younger one is not recorded"
     ]
-    assert conflict["claim_uid"] == rogue.uid
-    assert work.uid in conflict["conflict"]  # the claim that keeps gpu-2
+    assert (conflict["claim_uid"], conflict["held_by"]) == (rogue.uid, work.uid)  # work keeps gpu-2
+    (reported,) = second.recovery_conflicts  # for the Event on the Node (e2e/test_driver_recovery.py)
+    assert (reported.uid, reported.holder) == (rogue.uid, work.uid)
     assert set(node.on_disk().claims) == {work.uid}
     assert (await second.unprepare([rogue]))[rogue.uid] is None
     node.allocate(rogue, "gpu-2")

@@ -17,6 +17,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from dra_driver.devices.nvml import NvmlBackend
+from dra_driver.node.store import open_read_only
 from dra_driver.node.types import ClaimError
 from tests.mock_nvml import MockNvml, install_driver_root, install_procfs
 
@@ -33,22 +34,62 @@ def mock() -> MockNvml:
     return MockNvml()
 
 
-@pytest.fixture
-def nvml_node(tmp_path: Path, mock: MockNvml) -> Iterator[Node]:
-    root = install_driver_root(tmp_path / "driver-root")
-    procfs = install_procfs(tmp_path / "proc")
-    mock.configure("dgxh100:2", proc_root=procfs)
-    (tmp_path / "boot_id").write_text("boot-1\n")
-    backend = NvmlBackend(
-        procfs_root=procfs,
+def orphans_on_disk(node: Node) -> list[tuple[str, int, int, int]]:
+    store = open_read_only(node.store_path)
+    try:
+        return store.orphans()
+    finally:
+        store.close()
+
+
+def nvml_backend(tmp_path: Path) -> NvmlBackend:
+    root = tmp_path / "driver-root"
+    return NvmlBackend(
+        procfs_root=tmp_path / "proc",
         dev_root=root,
         driver_root=root,
         state_dir=tmp_path / "state",
         call_timeout=CALL_TIMEOUT_S,
     )
-    yield Node(tmp_path, backend, InMemoryClaims(), RecordingObserver())  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def nvml_node(tmp_path: Path, mock: MockNvml) -> Iterator[Node]:
+    install_driver_root(tmp_path / "driver-root")
+    procfs = install_procfs(tmp_path / "proc")
+    mock.configure("dgxh100:2", proc_root=procfs)
+    (tmp_path / "boot_id").write_text("boot-1\n")
+    node = Node(tmp_path, nvml_backend(tmp_path), InMemoryClaims(), RecordingObserver())  # type: ignore[arg-type]
+    yield node
     mock.control("clear-faults")
-    backend.close()
+    node.backend.close()
+
+
+async def test_a_gpu_instance_a_failed_rollback_left_is_in_the_store_and_destroyed_at_the_next_start(
+    nvml_node: Node, mock: MockNvml, tmp_path: Path
+) -> None:
+    preparer = await nvml_node.started()
+    ref = new_ref("leaky")
+    nvml_node.allocate(ref, f"gpu-0-mig-3g40gb-{THREE_G}-4")
+    devices = tmp_path / "proc" / "devices"
+    devices.write_text("Character devices:\n195 nvidia\n\nBlock devices:\n")  # no nvidia-caps: creation fails
+    mock.control("fail nvmlGpuInstanceDestroy 999 count=50")  # beyond every attempt of the rollback
+
+    assert isinstance((await preparer.prepare([ref]))[ref.uid], ClaimError)
+
+    gpu_uuid = nvml_node.backend.inventory().gpus[0].uuid
+    assert [(gpu, start) for gpu, _, start, _ in orphans_on_disk(nvml_node)] == [(gpu_uuid, 4)]
+    preparer.close()
+    nvml_node.backend.close()
+    mock.control("clear-faults")
+    install_procfs(tmp_path / "proc")
+    nvml_node.backend = nvml_backend(tmp_path)  # the plugin starts again: a backend that knows no orphan
+
+    restarted = await nvml_node.started()
+
+    assert mock.state()["gpus"][0]["gpuInstances"] == []
+    assert orphans_on_disk(nvml_node) == []
+    restarted.close()
 
 
 async def test_a_hung_nvml_call_fails_its_claim_naming_the_hang_and_the_next_claim_is_served(

@@ -299,8 +299,9 @@ async def test_admin_access_shares_a_device_in_use(node: Node) -> None:
 async def test_200_concurrent_prepares_are_all_recorded(node: Node) -> None:
     preparer = await node.started(consumable=True)
     refs = [new_ref(f"c{i}") for i in range(200)]
-    for i, ref in enumerate(refs):
-        node.allocate(ref, f"gpu-{i % 6}", share_id=f"share-{i}", consumed={"memory": "1Gi"})
+    gpus = ["gpu-0", "gpu-1"] * 70 + ["gpu-2", "gpu-3"] * 30  # 1Gi shares: 70 of each H100, 30 of each A100
+    for i, (ref, gpu) in enumerate(zip(refs, gpus, strict=True)):
+        node.allocate(ref, gpu, share_id=f"share-{i}", consumed={"memory": "1Gi"})
 
     outcomes = await preparer.prepare(refs)
 

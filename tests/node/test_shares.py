@@ -294,6 +294,25 @@ async def test_exclusive_allocations_and_shares_of_one_gpu_never_mix(node: Node)
     )
 
 
+async def test_shares_that_together_exceed_the_gpus_memory_are_refused_at_the_store(node: Node) -> None:
+    """What a stale ResourceSlice, or a second scheduler, could allocate: 100Gi of an 80GB GPU."""
+    preparer = await node.started(consumable=True)
+    first, second = new_ref("first"), new_ref("second")
+    node.allocate(first, "gpu-0", share_id=share_id(), consumed={"memory": "50Gi"})
+    node.allocate(second, "gpu-0", share_id=share_id(), consumed={"memory": "50Gi"})
+    await preparer.prepare([first])
+
+    refused = (await preparer.prepare([second]))[second.uid]
+
+    assert isinstance(refused, ClaimError)
+    assert "the shares of device gpu-0 would use 100Gi of its" in refused.message
+    assert "default/first" in refused.message
+    assert set(node.on_disk().claims) == {first.uid}
+    assert not node.specs.path_for(second.uid).exists()
+    await preparer.unprepare([first])
+    assert not isinstance((await preparer.prepare([second]))[second.uid], ClaimError)
+
+
 async def test_no_mig_device_is_created_on_a_gpu_with_shares(node: Node) -> None:
     preparer = await node.started(consumable=True)
     shared, partition = new_ref("shared"), new_ref("partition")

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from .builders import DRIVER, Node, new_ref
+from .builders import DRIVER, Node, gpu_config, new_ref, opaque
 
 
 def dra_driver(*args: str) -> subprocess.CompletedProcess[str]:
@@ -51,3 +51,29 @@ def test_state_without_a_store_says_where_it_looked(node: Node) -> None:
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr  # one line, no traceback
     assert f"no store at {node.state_dir / 'state.db'}" in done.stderr
     assert "DRA_DATA_DIR points elsewhere" in done.stderr
+
+
+async def test_state_lists_the_mps_daemons_and_the_compute_modes_to_restore_from_their_tables(
+    node: Node,
+) -> None:
+    preparer = await node.started()
+    sliced, mps = new_ref("sliced"), new_ref("mps")
+    interval = {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}}
+    node.allocate(sliced, "gpu-2", configs=[opaque(gpu_config(interval), source="FromClaim")])
+    node.allocate(mps, "gpu-3", configs=[opaque(gpu_config({"strategy": "MPS"}), source="FromClaim")])
+    await preparer.prepare([sliced, mps])
+    daemon = node.on_disk().claims[mps.uid].sharing.mps_daemon  # type: ignore[union-attr]
+
+    document = json.loads(dra_driver("state", "--data-dir", str(node.state_dir), "-o", "json").stdout)
+    table = dra_driver("state", "--data-dir", str(node.state_dir)).stdout
+
+    assert document["mpsDaemons"] == [{"id": daemon, "claims": [mps.uid]}]
+    restores = {r["claims"][0]: (r["computeMode"], r["timeSlice"]) for r in document["computeModesToRestore"]}
+    assert restores == {sliced.uid: ("Default", "Default"), mps.uid: ("Default", "Default")}
+    assert document["orphanedGpuInstances"] == []
+    assert any(line.startswith(f"{daemon} ") and line.endswith(mps.uid) for line in table.splitlines())
+    assert "no GPU instances left by a failed rollback" in table
+
+    await preparer.unprepare([sliced, mps])
+    emptied = json.loads(dra_driver("state", "--data-dir", str(node.state_dir), "-o", "json").stdout)
+    assert (emptied["mpsDaemons"], emptied["computeModesToRestore"]) == ([], [])

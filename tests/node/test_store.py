@@ -3,6 +3,7 @@ an earlier boot, a damaged file, a newer schema and the files of schema 2 are ha
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 from pathlib import Path
@@ -13,8 +14,11 @@ from dra_driver.node.records import (
     BootIdUnavailable,
     ClaimRecord,
     DeviceRecord,
+    GpuPolicyRecord,
     MigRecord,
     Phase,
+    SharingRecord,
+    SharingState,
     read_boot_id,
 )
 from dra_driver.node.store import (
@@ -118,6 +122,20 @@ def test_shares_of_a_gpu_and_an_exclusive_hold_of_it_exclude_each_other(store: S
     assert "prepared exclusively for claim" in refused(store, "s4", record("s4", device("gpu-1", share="c")))
 
 
+def test_shares_of_a_gpu_that_together_exceed_its_memory_are_refused(store: Store) -> None:
+    def share(name: str, gib: int) -> DeviceRecord:
+        sizes = {"share_bytes": gib * 2**30, "gpu_bytes": 80 * 2**30}
+        return device("gpu-1", share=name).model_copy(update=sizes)
+
+    store.commit(Reserve("s1", record("s1", share("a", 50))))
+    message = refused(store, "s2", record("s2", share("b", 40)))
+    assert "the shares of device gpu-1 would use 90Gi of its 80Gi of memory" in message
+    assert "ns/claim-s1 (s1)" in message
+    store.commit(Reserve("s2", record("s2", share("b", 30))))  # what fits is still given
+    store.commit(Release("s1"))
+    store.commit(Reserve("s3", record("s3", share("c", 50))))
+
+
 def test_records_are_replaced_only_by_the_attempt_that_saw_them(store: Store) -> None:
     store.commit(Reserve("a", record("first", "gpu-0", phase="PrepareStarted")))
     with pytest.raises(MutationRejected, match="concurrently"):
@@ -170,10 +188,12 @@ def test_an_earlier_boots_claims_are_reported_stale_and_dropped(tmp_path: Path) 
     store = open_store(path, BOOT).store
     store.commit(Reserve("a", record("a", "gpu-0")))
     store.add_mig_device(placement(0, 1).model_copy(update={"uuid": "MIG-1"}))
+    store.update_orphans([("GPU-0", 9, 4, 4)], [])
     opened = open_store(path, "boot-2")
     assert (opened.earlier_boot, opened.stale) == (True, ("a",))
     assert opened.store.snapshot().claims == {}
     assert opened.store.mig_devices() == {}
+    assert opened.store.orphans() == []  # GPU instances do not survive a reboot: another's may be there
     assert not open_store(path, "boot-2").earlier_boot
 
 
@@ -241,16 +261,22 @@ def test_a_schema_2_checkpoint_its_log_and_ledger_are_imported_once_and_moved_as
         [({"c": record("c", device("gpu-2-mig-3g40gb-9-0", mig=mig))}, ["b"])],
     )
     write_ledger_entry(tmp_path, mig)
+    orphan = {"gpu": "GPU-1", "profileId": 9, "start": 4, "size": 4}
+    (tmp_path / "nvml-orphaned-gpu-instances.json").write_text(
+        json.dumps({"bootId": BOOT, "instances": [orphan]})
+    )
 
     store = open_store(tmp_path / STORE_FILE, BOOT).store
 
     assert set(store.snapshot().claims) == {"a", "c"}
     assert store.mig_devices() == {"MIG-abc": mig}
+    assert store.orphans() == [("GPU-1", 9, 4, 4)]
     assert "already prepared" in refused(store, "x", record("x", "gpu-0"))
     assert sorted(p.name for p in tmp_path.glob("*.imported")) == [
         "checkpoint.json.imported",
         "checkpoint.json.log.imported",
         "mig-devices.imported",
+        "nvml-orphaned-gpu-instances.json.imported",
     ]
     store.commit(Release("a"))
     assert set(open_store(tmp_path / STORE_FILE, BOOT).store.snapshot().claims) == {"c"}  # not imported again
@@ -298,3 +324,63 @@ async def test_on_the_event_loop_the_log_is_copied_into_the_file_by_a_worker_thr
     main_only = sqlite3.connect(f"{(tmp_path / STORE_FILE).as_uri()}?immutable=1", uri=True)
     (count,) = main_only.execute("SELECT count(*) FROM claims").fetchone()
     assert count == committed
+
+
+_SCHEMA_3 = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) STRICT;
+CREATE TABLE claims (uid TEXT PRIMARY KEY, namespace TEXT NOT NULL, name TEXT NOT NULL, phase TEXT NOT NULL,
+    attempt TEXT NOT NULL, record TEXT NOT NULL) STRICT, WITHOUT ROWID;
+CREATE TABLE holds (pool TEXT NOT NULL, gpu TEXT NOT NULL, unit TEXT NOT NULL, uid TEXT NOT NULL,
+    device TEXT NOT NULL, shared INTEGER NOT NULL, mig_uuid TEXT, PRIMARY KEY (pool, gpu, unit))
+    STRICT, WITHOUT ROWID;
+CREATE TABLE mig_devices (uuid TEXT PRIMARY KEY, record TEXT NOT NULL) STRICT, WITHOUT ROWID;
+"""
+
+
+def test_a_schema_3_store_gets_the_sharing_and_orphan_tables_and_keeps_its_claims(tmp_path: Path) -> None:
+    setting = GpuPolicyRecord(
+        gpu_uuid="GPU-2",
+        compute_mode="Default",
+        time_slice="Long",
+        previous_compute_mode="Default",
+        previous_time_slice="Default",
+    )
+    sliced = record("a", "gpu-2").model_copy(
+        update={"sharing": SharingRecord(gpus=(setting,), mps_daemon="d")}
+    )
+    db = sqlite3.connect(tmp_path / STORE_FILE)
+    db.executescript(_SCHEMA_3)
+    db.execute("INSERT INTO meta VALUES ('boot_id', ?)", (BOOT,))
+    db.execute(
+        "INSERT INTO claims VALUES ('a', 'ns', 'claim-a', 'PrepareCompleted', 'a', ?)",
+        (sliced.model_dump_json(by_alias=True),),
+    )
+    db.executemany(
+        "INSERT INTO holds VALUES ('node-a', 'gpu-2', ?, 'a', 'gpu-2', 0, NULL)",
+        [(f"slice:{i}",) for i in range(8)],
+    )
+    db.execute("PRAGMA user_version = 3")
+    db.commit()
+    db.close()
+
+    store = open_store(tmp_path / STORE_FILE, BOOT).store
+
+    assert store.claim("a") == sliced
+    assert store.sharing().gpus == {"GPU-2": {"a": ("ns/claim-a (a)", setting)}}
+    assert store.sharing().daemons == {"d": {"a"}}
+    assert "already prepared for claim ns/claim-a (a)" in refused(store, "b", record("b", "gpu-2"))
+    store.commit(Release("a"))
+    assert store.sharing() == SharingState()
+    assert store.orphans() == []
+
+
+def test_orphaned_gpu_instances_are_changed_row_by_row_so_two_instances_keep_each_others(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / STORE_FILE
+    first, second = open_store(path, BOOT).store, open_store(path, BOOT).store
+    first.update_orphans([("GPU-0", 9, 4, 4)], [])
+    second.update_orphans([("GPU-1", 14, 0, 2)], [])
+    assert first.orphans() == [("GPU-0", 9, 4, 4), ("GPU-1", 14, 0, 2)]
+    first.update_orphans([], [("GPU-0", 9, 4, 4)])  # destroyed once NVML answered
+    assert second.orphans() == [("GPU-1", 14, 0, 2)]

@@ -27,7 +27,7 @@ from dra_driver.devices.backend import Backend, DeviceError
 from dra_driver.devices.types import ComputeMode, ComputePolicy
 from dra_driver.node.claims import ClaimRejected
 from dra_driver.node.plan import ClaimPlan
-from dra_driver.node.records import ClaimRecord, NodeState, SharingRecord
+from dra_driver.node.records import ClaimRecord, NodeState, SharingRecord, SharingState
 from dra_driver.node.sharing.mps import (
     DEFAULT_READY_TIMEOUT_S,
     MpsDaemonError,
@@ -73,7 +73,12 @@ class SharingApplier:
         self._daemon_locks: dict[str, asyncio.Lock] = {}
 
     async def record(
-        self, uid: str, plan: ClaimPlan, sharing: SharingPlan, existing: ClaimRecord | None, state: NodeState
+        self,
+        uid: str,
+        plan: ClaimPlan,
+        sharing: SharingPlan,
+        existing: ClaimRecord | None,
+        state: SharingState,
     ) -> SharingRecord | None:
         """The claim's sharing record; :class:`ClaimRejected` when it cannot be done. Changes nothing."""
         if not sharing.changes_anything:
@@ -136,15 +141,11 @@ class SharingApplier:
         )
         return dataclasses.replace(plan, common=common)
 
-    async def undo(self, uid: str, record: SharingRecord | None, state: NodeState) -> None:
+    async def undo(self, uid: str, record: SharingRecord | None, state: SharingState) -> None:
         """Stop the daemon and restore the GPUs, except what other claims still use; raises SharingError."""
         if record is None:
             return
-        shared = any(
-            r.sharing is not None and r.sharing.mps_daemon == record.mps_daemon
-            for u, r in state.claims.items()
-            if u != uid
-        )
+        shared = bool(state.daemons.get(record.mps_daemon or "", set()) - {uid})
         if record.mps_daemon and self._mps is not None and not shared:
             try:
                 async with self._daemon_lock(record.mps_daemon):
@@ -182,7 +183,7 @@ class SharingApplier:
             log.warning("mps_daemons_unlisted", error=str(error))
             return
         state = await fresh_state()
-        recorded = {r.sharing.mps_daemon for r in state.claims.values() if r.sharing and r.sharing.mps_daemon}
+        recorded = set(state.sharing.daemons)
         recorded |= await self._shared_daemons_of_recovered(state.claims.values())
         for daemon in sorted(running - recorded):
             if any(daemon.startswith(f"{uid}-") for uid in state.claims):
@@ -206,7 +207,7 @@ class SharingApplier:
         shared = await self._shared_daemons_of_recovered([record] if record else [])
         if shared:
             shared -= await self._shared_daemons_of_recovered(others)
-            shared -= {r.sharing.mps_daemon for r in others if r.sharing and r.sharing.mps_daemon}
+            shared -= {daemon for daemon, uids in state.sharing.daemons.items() if uids - {uid}}
         try:
             for daemon in sorted(await self._mps.running()):
                 if daemon.startswith(f"{uid}-") or daemon in shared:

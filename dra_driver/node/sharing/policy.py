@@ -40,7 +40,7 @@ from dra_driver.node.api_base import quantity_bytes
 from dra_driver.node.claims import ClaimRejected
 from dra_driver.node.config import GpuSharing
 from dra_driver.node.plan import ClaimPlan, PlannedDevice
-from dra_driver.node.records import GpuPolicyRecord, NodeState, describe
+from dra_driver.node.records import GpuPolicyRecord, SharingState
 from dra_driver.node.sharing.mps import MpsDaemonSpec, MpsDevice, daemon_id
 from dra_driver.resources.naming import gpu_device_name
 
@@ -138,20 +138,18 @@ def _describe(policy: ComputePolicy) -> str:
     return f"TimeSlicing with interval {policy.time_slice.value}"
 
 
-def held_by_others(uid: str, state: NodeState) -> dict[str, tuple[str, GpuPolicyRecord]]:
+def held_by_others(uid: str, sharing: SharingState) -> dict[str, tuple[str, GpuPolicyRecord]]:
     """GPU uuid -> (claim, its record) for every GPU another claim's sharing has set."""
-    held: dict[str, tuple[str, GpuPolicyRecord]] = {}
-    for other_uid, record in state.claims.items():
-        if other_uid == uid or record.sharing is None:
-            continue
-        for gpu in record.sharing.gpus:
-            held.setdefault(gpu.gpu_uuid, (describe(other_uid, record), gpu))
-    return held
+    return {
+        gpu: next(held for other, held in claims.items() if other != uid)
+        for gpu, claims in sharing.gpus.items()
+        if set(claims) - {uid}
+    }
 
 
-def check_agrees(uid: str, changes: tuple[GpuChange, ...], state: NodeState) -> None:
+def check_agrees(uid: str, changes: tuple[GpuChange, ...], sharing: SharingState) -> None:
     """Refuse a GPU that another prepared claim set differently (see the module doc)."""
-    held = held_by_others(uid, state)
+    held = held_by_others(uid, sharing)
     for change in changes:
         if change.gpu_uuid not in held:
             continue
