@@ -161,9 +161,7 @@ def test_two_specs_that_name_one_gpu_after_a_lost_store_are_a_warning_event_on_t
 
     selector = f"involvedObject.kind=Node,involvedObject.name={node.name},reason=PreparedClaimsConflict"
     (event,) = wait_until(
-        lambda: rest.request("GET", "/api/v1/namespaces/default/events", query={"fieldSelector": selector})[
-            "items"
-        ],
+        lambda: rest.request("GET", "/api/v1/events", query={"fieldSelector": selector})["items"],
         timeout_seconds=30,
         waiting_for="the driver's Event on the Node",
     )

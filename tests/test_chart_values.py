@@ -590,8 +590,18 @@ def test_the_default_namespace_is_refused_unless_allowed(helm: Path) -> None:
         [*argv, "--set", "namespaceOverride=gpu-operator"], capture_output=True, text=True, check=False
     )
     assert elsewhere.returncode == 0, elsewhere.stderr
-    namespaces = {d["metadata"].get("namespace") for d in yaml.safe_load_all(elsewhere.stdout) if d}
-    assert namespaces == {"gpu-operator", None}  # cluster-scoped objects have none
+    rendered = [d for d in yaml.safe_load_all(elsewhere.stdout) if d]
+    namespaces = {d["metadata"].get("namespace") for d in rendered}
+    assert namespaces == {"gpu-operator", "default", None}  # cluster-scoped objects have none
+    # The one exception: the plugin's right to post Events about its Node, which the API server
+    # keeps only in default (or kube-system).
+    in_default = {
+        (d["kind"], d["metadata"]["name"]) for d in rendered if d["metadata"].get("namespace") == "default"
+    }
+    assert in_default == {
+        ("Role", "gpu-dra-driver-gpu-node-events"),
+        ("RoleBinding", "gpu-dra-driver-gpu-node-events"),
+    }
 
 
 def test_name_overrides_rename_every_object_and_keep_the_selector_consistent(helm: Path) -> None:

@@ -26,7 +26,11 @@ CONFLICT_REASON = "PreparedClaimsConflict"
 async def report_conflicts(
     api: JsonApi, conflicts: Iterable[Conflict], *, node_name: str, node_uid: str | None, driver: str
 ) -> None:
-    """One Warning Event on the Node per conflict; a refusal is logged, never raised."""
+    """One Warning Event on the Node per conflict; a refusal is logged, never raised.
+
+    In the namespace default: the API server keeps an Event about a cluster-scoped object there
+    (or in kube-system) and nowhere else, which is where the kubelet's own Node Events are too.
+    """
     for conflict in conflicts:
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         body = {

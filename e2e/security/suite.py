@@ -957,7 +957,67 @@ def plugin_attempts(setup: Setup) -> list[Attempt]:
             "rbac",
         ),
     ]
-    return deployments + slices + nodes + claim_status + other
+    own_events = "/api/v1/namespaces/default/events"  # where an Event about a Node must be
+    events = [
+        Attempt(
+            "plugin.events", "an Event about node B", _create(own_events, node_event(NODE_B)), "node-events"
+        ),
+        Attempt(
+            "plugin.events",
+            "an Event about a tenant's claim",
+            _create(
+                own_events,
+                node_event(
+                    NODE_A,
+                    regarding={
+                        "apiVersion": "resource.k8s.io/v1",
+                        "kind": "ResourceClaim",
+                        "name": "claim-b",
+                    },
+                ),
+            ),
+            "node-events",
+        ),
+        Attempt(
+            "plugin.events",
+            "an Event about its Node naming node B as related",
+            _create(
+                own_events,
+                {**node_event(NODE_A), "related": {"apiVersion": "v1", "kind": "Node", "name": NODE_B}},
+            ),
+            "node-events",
+        ),
+        Attempt(
+            "plugin.events",
+            "an Event about its Node reported from node B",
+            _create(own_events, {**node_event(NODE_A), "source": {"component": DRIVER, "host": NODE_B}}),
+            "node-events",
+        ),
+        Attempt(
+            "plugin.events",
+            "an Event in a tenant namespace",
+            _create(
+                f"/api/v1/namespaces/{TENANT}/events",
+                {**node_event(NODE_A), "metadata": {"generateName": "sec.", "namespace": TENANT}},
+            ),
+            "rbac",
+        ),
+    ]
+    return deployments + slices + nodes + claim_status + other + events
+
+
+def node_event(node: str, regarding: JsonObject | None = None) -> JsonObject:
+    """A Warning Event as dra_driver/node/events.py posts it, about ``node`` (or ``regarding``)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": "sec.", "namespace": "default"},
+        "involvedObject": regarding or {"apiVersion": "v1", "kind": "Node", "name": node},
+        "reason": "PreparedClaimsConflict",
+        "message": "a security suite's attempt",
+        "type": "Warning",
+        "source": {"component": DRIVER, "host": node},
+    }
 
 
 def controller_attempts(setup: Setup) -> list[Attempt]:
@@ -1292,6 +1352,9 @@ def controls(setup: Setup) -> list[Control]:
                 content_type=MERGE,
             )
 
+    def own_node_event() -> None:
+        plugin.create("/api/v1/namespaces/default/events", node_event(NODE_A))
+
     def own_claim_status() -> None:
         claim = setup.admin.get(f"{claims()}/claim-a")
         ref = ClaimRef(TENANT, "claim-a", claim["metadata"]["uid"])
@@ -1362,6 +1425,7 @@ def controls(setup: Setup) -> list[Control]:
         ),
         Control("plugin.slices", "node A's own slice, created, changed and deleted", own_slice),
         Control("plugin.nodes", "an nvidia.com/ label on node A, set and removed", own_label),
+        Control("plugin.events", "a Warning Event about node A, as the driver posts it", own_node_event),
         Control(
             "plugin.claim_status",
             "status.devices of node A's claim, by the driver's writer",
@@ -1413,13 +1477,16 @@ def wait_enforced(setup: Setup, attempts: list[tuple[str, Attempt]], timeout_s: 
         if attempt.policy and attempt.policy != "rbac":
             pending.setdefault(attempt.policy, (identity, attempt))
     deadline = time.monotonic() + timeout_s
+    last: dict[str, str] = {}
     while pending:
         for name, (identity, attempt) in list(pending.items()):
-            result, refuser, _ = verdict(attempt.call, identities[identity]["token"])
+            result, refuser, message = verdict(attempt.call, identities[identity]["token"])
             if result == "refused" and refused_by(attempt, refuser):
                 del pending[name]
+            last[name] = f"{attempt.what!r}: {result} {refuser} {message}".strip()
         if pending and time.monotonic() > deadline:
-            raise TimeoutError(f"policies not enforced after {timeout_s:.0f}s: {sorted(pending)}")
+            seen = "; ".join(last[name] for name in sorted(pending))
+            raise TimeoutError(f"policies not enforced after {timeout_s:.0f}s: {sorted(pending)} ({seen})")
         time.sleep(0.5)
 
 
