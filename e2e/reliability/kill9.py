@@ -358,14 +358,16 @@ async def _one_run(
                 figures.kills_during_recovery_after_store_loss += store_lost
         await _start(plugin, None)
 
-    await plugin.stop()
     if second is not None:
         figures.two_instance_runs += 1
         await _start(second, None)
-    try:
-        await _start(plugin, plan.crash_point)
-    except PluginDied:
-        await restart()
+    # A daemon started unarmed (after the last run's kill) serves on; one armed is started afresh.
+    if not (plugin.running and plugin.crash_point is None and plan.crash_point is None):
+        await plugin.stop()
+        try:
+            await _start(plugin, plan.crash_point)
+        except PluginDied:
+            await restart()
 
     async def send(operation: str, sent: list[ClaimRef]) -> CallResult:
         return await _send(instances(), operation, sent, rng)

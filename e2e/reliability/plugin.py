@@ -82,6 +82,7 @@ class Plugin:
         self._stub: dra_pb2_grpc.DRAPluginStub | None = None
         self.http_port = 0
         self.endpoint: Path | None = None  # the DRA socket, as the registration names it
+        self.crash_point: str | None = None  # the one the running daemon was started with
 
     @property
     def registration_socket(self) -> Path:
@@ -109,6 +110,7 @@ class Plugin:
         env.pop(CRASH_POINT_ENV, None)
         if crash_point:
             env[CRASH_POINT_ENV] = crash_point
+        self.crash_point = crash_point
         self._child, self._record = processes.spawn(
             "dra-driver", self._argv(), self.log, env=env, die_with_parent=True
         )
