@@ -8,7 +8,9 @@ at a random moment of the prepare or the unprepare call, or from inside, at a te
 record, the table of MIG devices, the recovery's at start-up), a CDI spec write or removal,
 a MIG device's creation or destruction, at a random one of its hits. The daemon is then started
 again on the same directories and the run goes on as the kubelet would: it retries the call that
-failed (or, as when the pod was deleted meanwhile, goes straight to unprepare).
+failed (or, as when the pod was deleted meanwhile, goes straight to unprepare). A run whose kill
+comes from a crash point starts the daemon with it armed; any other run is served by the daemon
+started after the last run's kill (a restart per run cost the CI subset half its time).
 
 The pod's claims are of every kind the node prepares (:data:`KINDS`), drawn as the scheduler
 would place them (no two exclusive claims of one memory slice): a full GPU, a 1g.10gb MIG device
