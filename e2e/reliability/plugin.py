@@ -335,8 +335,8 @@ def _units(device: DeviceRecord) -> list[tuple[str, int | str]]:
     if not mig:
         return [(gpu, index) for index in range(_SLICES)]
     if device.mig is not None:
-        start, size = device.mig.placement_start, device.mig.placement_size
-        return [(device.mig.parent_device, start + offset) for offset in range(size)]
+        placed = device.mig
+        return [(placed.parent_device, placed.placement_start + i) for i in range(placed.placement_size)]
     profile, _, start = mig.rpartition("-")
     size = _MIG_SLICES.get(profile.rpartition("-")[0])
     if size is None or not start.isdigit():
