@@ -43,7 +43,10 @@ from an administrator's: it stays, and is counted apart (``kill9.mig_kept_after_
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import random
+import signal
 import uuid
 from collections import Counter
 from collections.abc import Coroutine
@@ -568,6 +571,9 @@ async def _reset(node: SimNode, plugin: Plugin, static: str) -> None:
     daemons = LocalMpsDaemons(plugin.paths.data / MPS_DIR)
     for daemon in state.mps_daemons:
         await daemons.stop(daemon)
+    for pid in state.mps_pids:  # also those no pid file names (``stop`` finds only those)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     backend = SimulatedBackend(PROFILE, node.name, plugin.paths.data)
     try:
         for mig in state.mig_devices:

@@ -257,6 +257,7 @@ class NodeState:
     mig_devices: tuple[MigDevice, ...]  # alive on the simulated GPUs
     temp_files: tuple[str, ...]  # the driver's leftover .tmp files in the data and CDI directories
     mps_daemons: frozenset[str] = frozenset()  # MPS control daemons running or left (their ids)
+    mps_pids: tuple[int, ...] = ()  # the processes of those that run, with a directory or without
     changed_gpus: tuple[str, ...] = ()  # GPUs (device names) not at the default compute mode and time slice
 
     @classmethod
@@ -273,11 +274,8 @@ class NodeState:
         finally:
             backend.close()
         mps = paths.data / MPS_DIR  # a daemon's directory lives as long as the daemon (mps_local)
-        daemons = (
-            frozenset(entry.name for entry in mps.iterdir() if entry.is_dir())
-            if mps.exists()
-            else frozenset()
-        )
+        directories = {entry.name for entry in mps.iterdir() if entry.is_dir()} if mps.exists() else set()
+        processes = mps_processes(mps)
         # The driver's own temporary files are hidden (the CDI specs'); the
         # simulator's state file stands in for hardware and is not counted.
         temps = tuple(
@@ -292,7 +290,8 @@ class NodeState:
             records=dict(records),
             mig_devices=migs,
             temp_files=temps,
-            mps_daemons=daemons,
+            mps_daemons=frozenset(directories | set(processes.values())),
+            mps_pids=tuple(processes),
             changed_gpus=changed,
         )
 
@@ -320,6 +319,25 @@ class NodeState:
             if whole:
                 found.add(f"{gpu} shared by {sorted(sharing)} and held by {sorted(whole)}")
         return sorted(found)
+
+
+def mps_processes(root: Path) -> dict[int, str]:
+    """The stand-in MPS daemons running under ``root``, by pid: their daemon ids. Read from /proc, as
+    a process whose directory is gone, or whose pid no file names, is as alive as any other."""
+    found: dict[int, str] = {}
+    prefix = f"{root}{os.sep}"
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue  # exited meanwhile
+        for arg in argv:
+            if arg.startswith(prefix):
+                found[int(entry.name)] = arg[len(prefix) :].partition(os.sep)[0]
+                break
+    return found
 
 
 def _held_twice(unit: tuple[str, int | str], uids: set[str]) -> str:
