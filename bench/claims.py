@@ -8,6 +8,8 @@ the scheduler allocates. The API server validates these writes as it validates t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from dra_driver.node.types import ClaimRef
 from e2e.cluster import JsonObject, RestClient
 
@@ -29,13 +31,38 @@ class AllocatedClaims:
         self._rest.create("/api/v1/namespaces", {"metadata": {"name": name, "labels": labels}})
         return name
 
-    def create(self, namespace: str, name: str, device: str, *, admin_access: bool) -> ClaimRef:
-        """A claim for one GPU whose allocation is ``device`` (e.g. ``gpu-3``)."""
+    def create(
+        self,
+        namespace: str,
+        name: str,
+        device: str,
+        *,
+        admin_access: bool,
+        share_id: str | None = None,
+        consumed: Mapping[str, str] | None = None,
+        config: JsonObject | None = None,
+    ) -> ClaimRef:
+        """A claim for one GPU whose allocation is ``device`` (e.g. ``gpu-3``).
+
+        ``share_id`` and ``consumed`` make it a share of the device (consumable capacity: the
+        allocation's ``shareID`` and ``consumedCapacity``); ``config`` is an opaque config of the
+        driver's (e.g. a ``GpuConfig`` with a sharing strategy), given to the claim's one request.
+        """
         request: JsonObject = {"deviceClassName": self._driver}
         result: JsonObject = {"request": "gpu", "driver": self._driver, "pool": self._node, "device": device}
         if admin_access:
             request["adminAccess"] = True
             result["adminAccess"] = True
+        if share_id is not None:
+            result["shareID"] = share_id
+        if consumed is not None:
+            result["consumedCapacity"] = dict(consumed)
+        allocation: JsonObject = {"devices": {"results": [result]}, "nodeSelector": self._selector()}
+        spec: JsonObject = {"devices": {"requests": [{"name": "gpu", "exactly": request}]}}
+        if config is not None:
+            opaque = {"driver": self._driver, "parameters": config}
+            spec["devices"]["config"] = [{"requests": ["gpu"], "opaque": opaque}]
+            allocation["devices"]["config"] = [{"source": "FromClaim", "requests": ["gpu"], "opaque": opaque}]
         collection = _CLAIMS.format(namespace=namespace)
         created = self._rest.create(
             collection,
@@ -43,13 +70,13 @@ class AllocatedClaims:
                 "apiVersion": "resource.k8s.io/v1",
                 "kind": "ResourceClaim",
                 "metadata": {"name": name},
-                "spec": {"devices": {"requests": [{"name": "gpu", "exactly": request}]}},
+                "spec": spec,
             },
         )
         self._rest.request(
             "PATCH",
             f"{collection}/{name}/status",
-            {"status": {"allocation": {"devices": {"results": [result]}, "nodeSelector": self._selector()}}},
+            {"status": {"allocation": allocation}},
             content_type="application/merge-patch+json",
         )
         return ClaimRef(namespace=namespace, name=name, uid=created["metadata"]["uid"])

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from e2e.cluster import ClusterInfo
-from e2e.reliability import diskfull, rolling, suite
+from e2e.reliability import diskfull, kill9, rolling, suite
 from e2e.reliability.env import Env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.reliability]
@@ -27,11 +27,14 @@ def check(figures: dict[str, Any], prefix: str) -> None:
     assert not missed, "\n".join([*missed, "first problems:", *map(str, problems)])
 
 
-def test_kill9_at_random_points_and_crash_points_loses_nothing(env: Env) -> None:
+def test_kill9_of_every_claim_kind_two_instances_and_a_lost_store_loses_nothing(env: Env) -> None:
     figures = suite.run(env, suite.CI, SEED, only=("kill9",))
     assert figures["kill9.runs"] == suite.CI.kill9_runs
     assert figures["kill9.kills"] > 0
-    assert set(figures["kill9.claims_by_kind"]) == {"gpu", "mig-dynamic", "admin-gpu"}
+    assert figures["kill9.kinds"] == sorted(kill9.KINDS)
+    assert figures["kill9.two_instance_runs"] > 0
+    assert set(figures["kill9.store_losses"]) == {"deleted", "corrupted"}
+    assert figures["kill9.kills_during_recovery_after_store_loss"] > 0
     check(figures, "kill9")
 
 

@@ -1,8 +1,12 @@
-"""The fault suite's own judgement (e2e/reliability): what counts as a device held twice, a missed goal."""
+"""The fault suite's own judgement (e2e/reliability): what counts as a device held twice, a missed goal,
+and the kill -9 runs' plans."""
 
 from __future__ import annotations
 
+import random
+
 from dra_driver.node.records import ClaimRecord, DeviceRecord, MigRecord
+from e2e.reliability import kill9
 from e2e.reliability.plugin import NodeState
 from e2e.reliability.suite import missed_goals
 
@@ -12,14 +16,20 @@ def record(*devices: DeviceRecord) -> ClaimRecord:
 
 
 def device(
-    name: str, *, admin: bool = False, mig_on: str | None = None, uuid: str | None = None
+    name: str,
+    *,
+    admin: bool = False,
+    mig_on: str | None = None,
+    uuid: str | None = None,
+    start: int = 0,
+    share_id: str | None = None,
 ) -> DeviceRecord:
     mig = (
         MigRecord(
             parent_uuid="GPU-x",
             parent_device=mig_on,
             profile_id=19,
-            placement_start=0,
+            placement_start=start,
             placement_size=1,
             uuid=uuid,
         )
@@ -27,7 +37,13 @@ def device(
         else None
     )
     return DeviceRecord(
-        request="r", pool="p", device=name, admin_access=admin, cdi_device_ids=("k=x",), mig=mig
+        request="r",
+        pool="p",
+        device=name,
+        admin_access=admin,
+        share_id=share_id,
+        cdi_device_ids=("k=x",),
+        mig=mig,
     )
 
 
@@ -36,30 +52,55 @@ def state(**records: ClaimRecord) -> NodeState:
 
 
 def test_one_device_in_two_records_is_a_double_allocation() -> None:
-    assert state(a=record(device("gpu-1")), b=record(device("gpu-1"))).double_allocations() == [
-        "gpu-1: ['a', 'b']"
-    ]
+    found = state(a=record(device("gpu-1")), b=record(device("gpu-1"))).double_allocations()
+    assert found == [f"gpu-1 slice {index}: ['a', 'b']" for index in range(8)]
 
 
 def test_a_full_gpu_and_a_mig_device_on_it_for_two_claims_is_a_double_allocation() -> None:
     found = state(
-        a=record(device("gpu-2")), b=record(device("gpu-2-mig-x", mig_on="gpu-2"))
+        a=record(device("gpu-2")), b=record(device("gpu-2-mig-1g10gb-19-3", mig_on="gpu-2", start=3))
     ).double_allocations()
-    assert found == ["gpu-2 whole for ['a'] and MIG for ['b']"]
+    assert found == ["gpu-2 slice 3: ['a', 'b']"]
+
+
+def test_a_static_mig_device_overlapping_a_created_one_is_a_double_allocation() -> None:
+    """The administrator's 3g.40gb at slices 0..3 (no MIG record: its name tells its placement)."""
+    found = state(
+        a=record(device("gpu-0-mig-3g40gb-9-0")),
+        b=record(device("gpu-0-mig-1g10gb-19-2", mig_on="gpu-0", start=2)),
+        c=record(device("gpu-0-mig-1g10gb-19-4", mig_on="gpu-0", start=4)),
+    ).double_allocations()
+    assert found == ["gpu-0 slice 2: ['a', 'b']"]
 
 
 def test_one_mig_uuid_recorded_for_two_claims_is_a_double_allocation() -> None:
-    a = record(device("gpu-3-mig-1", mig_on="gpu-3", uuid="MIG-1"))
-    b = record(device("gpu-3-mig-2", mig_on="gpu-3", uuid="MIG-1"))
+    a = record(device("gpu-3-mig-1g10gb-19-1", mig_on="gpu-3", uuid="MIG-1", start=1))
+    b = record(device("gpu-3-mig-1g10gb-19-2", mig_on="gpu-3", uuid="MIG-1", start=2))
     assert state(a=a, b=b).double_allocations() == ["MIG-1: ['a', 'b']"]
 
 
-def test_mig_devices_of_one_gpu_admin_access_and_one_claims_own_results_are_not() -> None:
+def test_a_share_of_a_gpu_another_claim_holds_whole_or_in_part_is_a_double_allocation() -> None:
+    share = device("gpu-5", share_id="0b7c6d4e-0000-4000-8000-000000000001")
+    assert state(a=record(device("gpu-5")), b=record(share)).double_allocations() == [
+        "gpu-5 shared by ['b'] and held by ['a']"
+    ]
+    mig = device("gpu-5-mig-1g10gb-19-6", mig_on="gpu-5", start=6)
+    assert state(a=record(mig), b=record(share)).double_allocations() == [
+        "gpu-5 shared by ['b'] and held by ['a']"
+    ]
+
+
+def test_mig_devices_of_one_gpu_shares_admin_access_and_one_claims_own_results_are_not() -> None:
     assert not state(
-        a=record(device("gpu-3-mig-1", mig_on="gpu-3", uuid="MIG-1")),
-        b=record(device("gpu-3-mig-2", mig_on="gpu-3", uuid="MIG-2")),
+        a=record(device("gpu-3-mig-1g10gb-19-1", mig_on="gpu-3", uuid="MIG-1", start=1)),
+        b=record(device("gpu-3-mig-1g10gb-19-2", mig_on="gpu-3", uuid="MIG-2", start=2)),
         c=record(device("gpu-4", admin=True)),
         d=record(device("gpu-4"), device("gpu-4")),
+        e=record(device("gpu-6", share_id="0b7c6d4e-0000-4000-8000-000000000001")),
+        f=record(device("gpu-6", share_id="0b7c6d4e-0000-4000-8000-000000000002")),
+        g=record(device("gpu-6", admin=True)),
+        h=record(device("gpu-0-mig-3g40gb-9-0", admin=True)),
+        i=record(device("gpu-0-mig-3g40gb-9-0")),
     ).double_allocations()
 
 
@@ -76,3 +117,30 @@ def test_missed_goals_name_every_nonzero_fault_and_a_slow_republish() -> None:
         "outage.republish_after_return_max_s = 7.5 (goal <= 5.0)",
     ]
     assert not missed_goals({"kill9.runs": 10, "kill9.kills": 9, "fuzz.crashes": 0})
+
+
+def test_kill9_plans_cover_every_kind_and_place_claims_as_the_scheduler_could() -> None:
+    """Any eight runs in a row have a claim of each kind; no plan holds a memory slice twice; every
+    seventh run has two instances and every seventh another loses the store (deleted, corrupted)."""
+    rng = random.Random(1)
+    plans = [kill9.plan_run(rng, number) for number in range(400)]
+    for start in range(0, 392, 8):
+        assert {c.kind for plan in plans[start : start + 8] for c in plan.claims} == set(kill9.KINDS)
+    for number, plan in enumerate(plans):
+        records = {
+            str(index): record(
+                device(
+                    claim.device,
+                    admin=claim.kind.startswith("admin-"),
+                    share_id=f"0b7c6d4e-0000-4000-8000-{index:012}" if claim.kind == "share" else None,
+                )
+            )
+            for index, claim in enumerate(plan.claims)
+        }
+        assert not state(**records).double_allocations(), plan
+        assert not (plan.second_instance and plan.store_loss), plan
+        if number % 7 == 3:
+            assert plan.second_instance
+        if number % 7 == 5:
+            assert plan.store_loss == ("deleted", "corrupted")[number // 7 % 2]
+            assert plan.recovery_crash_point is not None

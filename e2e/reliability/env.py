@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.claims import AllocatedClaims
 from dra_driver.node.types import ClaimRef
-from e2e.cluster import ClusterInfo, ControlPlane, create_fake_node, ensure_control_plane_binaries
+from e2e.cluster import (
+    ClusterInfo,
+    ControlPlane,
+    JsonObject,
+    create_fake_node,
+    ensure_control_plane_binaries,
+)
 from e2e.driver import DriverPaths
 from e2e.reliability.plugin import DRIVER, Plugin
 
@@ -46,7 +52,9 @@ class SimNode:
         base = self.env.base / self.name
         return DriverPaths.under(base, registry=base / "registry")
 
-    def plugin(self, pod_uid: str = "", paths: DriverPaths | None = None) -> Plugin:
+    def plugin(
+        self, pod_uid: str = "", paths: DriverPaths | None = None, extra_args: Sequence[str] = ()
+    ) -> Plugin:
         log = self.env.base / self.name / f"daemon{'-' + pod_uid if pod_uid else ''}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         return Plugin(
@@ -55,11 +63,28 @@ class SimNode:
             paths=paths or self.paths(),
             log=log,
             pod_uid=pod_uid,
+            extra_args=extra_args,
         )
 
-    def claim(self, device: str) -> ClaimRef:
-        """A new claim in the node's namespace, allocated ``device`` of this node."""
-        return self.claims.create(self.name, f"c{next(_names)}", device, admin_access=False)
+    def claim(
+        self,
+        device: str,
+        *,
+        share_id: str | None = None,
+        consumed: Mapping[str, str] | None = None,
+        config: JsonObject | None = None,
+    ) -> ClaimRef:
+        """A new claim in the node's namespace, allocated ``device`` of this node (or a share of it,
+        with ``share_id`` and ``consumed``), with the driver's opaque ``config`` if given."""
+        return self.claims.create(
+            self.name,
+            f"c{next(_names)}",
+            device,
+            admin_access=False,
+            share_id=share_id,
+            consumed=consumed,
+            config=config,
+        )
 
     def admin_claim(self, device: str) -> ClaimRef:
         """A claim with admin access to ``device`` (a monitoring pod's), in the admin namespace."""

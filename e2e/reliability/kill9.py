@@ -8,26 +8,48 @@ at a random moment of the prepare or the unprepare call, or from inside, at a te
 record, the table of MIG devices, the recovery's at start-up), a CDI spec write or removal,
 a MIG device's creation or destruction, at a random one of its hits. The daemon is then started
 again on the same directories and the run goes on as the kubelet would: it retries the call that
-failed (or, as when the pod was deleted meanwhile, goes straight to unprepare).
+failed (or, as when the pod was deleted meanwhile, goes straight to unprepare). A run whose kill
+comes from a crash point starts the daemon with it armed; any other run is served by the daemon
+started after the last run's kill (a restart per run cost the CI subset half its time).
+
+The pod's claims are of every kind the node prepares (:data:`KINDS`), drawn as the scheduler
+would place them (no two exclusive claims of one memory slice): a full GPU, a 1g.10gb MIG device
+that prepare creates (dynamic MIG), the administrator's 3g.40gb MIG device on gpu-0 (static MIG),
+a share of a GPU (consumable capacity: a ``shareID`` and 10Gi of its memory), a full GPU with a
+TimeSlicing or an MPS config, and admin access (a monitoring container's) to a GPU or to the static
+MIG device, most often beside the claim that holds it. Run ``n`` always has a claim of kind
+``KINDS[n % len(KINDS)]``, so a short run covers every kind. The daemon runs with
+``--consumable-capacity``, as it must to prepare shares.
+
+Some runs add what a node goes through less often:
+
+* **two instances** (a rolling update): a second daemon (``--pod-uid``) serves beside the first on
+  the same directories, each call's claims are split between them at random, and the first is the
+  one killed; the other keeps serving while it is down and while it recovers;
+* **the store lost**: after the kill, the node's store is deleted or overwritten with garbage
+  before the daemon starts again, so that it rebuilds every claim from its CDI spec; and in most
+  of those runs that rebuild is itself killed (a crash point armed at its first hit), so the
+  next start repairs a half-done repair.
 
 After the prepare has succeeded everything the kubelet was told is checked (each claim has its
-CDI spec and a completed record, each dynamic MIG device it names exists, no device is held by
-two claims); after the unprepare has succeeded, that nothing is left (no spec, no record, no MIG
-device: this node has no static MIG devices).
-
-Pods are one claim or three; each claim gets a full GPU or a 1g.10gb MIG device created for it
-(dynamic MIG), on GPUs picked at random. In four runs of ten the pod also has a claim with admin
-access (a monitoring container) to one of the GPUs, most often one another claim of the pod holds:
-it must be prepared beside that claim, and never count as a second holder. In three runs of ten the
-daemon started after the kill is armed at a crash point too (its first hit): it dies again while it
-recovers (counted in ``kill9.kills_during_recovery``) or later in the run, and is started once more.
+CDI spec and a record, each dynamic MIG device it names exists, no memory slice of a GPU is held by
+two exclusive claims, no GPU both shared and held); after the unprepare has succeeded, that nothing
+is left: no spec, no record, no MIG device but the administrator's, no MPS daemon, every GPU's
+compute mode and time slice back (unless the store that said what to put back was lost). A MIG
+device that the driver had created but no CDI spec named yet when the store was lost cannot be told
+from an administrator's: it stays, and is counted apart (``kill9.mig_kept_after_store_loss``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import random
+import signal
+import uuid
 from collections import Counter
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,10 +57,15 @@ from typing import Any
 from dra_driver.cdi.store import SpecStore
 from dra_driver.crashpoint import POINTS
 from dra_driver.devices.simulated import SimulatedBackend
+from dra_driver.devices.types import ComputePolicy
+from dra_driver.node.config import API_VERSION
+from dra_driver.node.sharing.mps_local import LocalMpsDaemons
 from dra_driver.node.types import ClaimRef
+from e2e.driver import DriverPaths
 from e2e.reliability.env import Env, SimNode
 from e2e.reliability.plugin import (
     DRIVER,
+    MPS_DIR,
     PROFILE,
     STORE_FILE_NAME,
     CallResult,
@@ -48,11 +75,23 @@ from e2e.reliability.plugin import (
 )
 
 MIG_PROFILE = "1g10gb-19"  # H100 1g.10gb: profile id 19, placements 0..6
+STATIC_MIG = "gpu-0-mig-3g40gb-9-0"  # the administrator's 3g.40gb on gpu-0 (profile id 9), slices 0..3
+SHARE_MEMORY = "10Gi"
 RETRIES = 8  # the kubelet retries forever; a claim that needs more than this is counted as failed
+SECOND_POD_UID = "second-pod"  # the other instance of a two-instance run
+DAEMON_ARGS = ("--consumable-capacity",)  # shares are prepared only on a node that publishes them
+
+KINDS = ("gpu", "mig-dynamic", "mig-static", "share", "time-slicing", "mps", "admin-gpu", "admin-mig")
+# How often each kind is drawn for a pod's further claims (the first is KINDS[run % len(KINDS)]).
+_WEIGHTS = {"gpu": 3, "mig-dynamic": 3, "mig-static": 1, "share": 2, "time-slicing": 1, "mps": 1}
+_WHOLE_GPUS = range(1, 8)  # gpu-0 is in MIG mode (the static MIG device): never given whole
+_TIME_SLICES = ("Short", "Medium", "Long")
+
 _MIG_POINTS = {p for p in POINTS if p.startswith("mig.")}
 # What a start-up that repairs the state writes through (the store's or the checkpoint's points); a
 # start with nothing to repair passes none of them, and the daemon dies there later in the run.
 _RECOVERY_POINTS = [p for p in POINTS if p.startswith(("store.", "datafile.", "journal."))] or list(POINTS)
+_STORE_LOSSES = ("deleted", "corrupted")
 
 
 @dataclass
@@ -60,15 +99,22 @@ class Kill9Figures:
     runs: int = 0
     kills: int = 0  # runs in which the daemon really died (a crash point may not be reached)
     kills_during_recovery: int = 0  # the daemon started after a kill died again while it recovered
+    kills_during_recovery_after_store_loss: int = 0  # ... while it rebuilt a lost store from the specs
+    two_instance_runs: int = 0
     leaked_specs: int = 0
     leaked_mig: int = 0
     leaked_records: int = 0
+    leaked_mps_daemons: int = 0
+    settings_not_restored: int = 0  # GPUs left at a claim's compute mode or time slice
     lost_claims: int = 0
     double_allocations: int = 0
     failed_claims: int = 0  # claims not prepared or unprepared within RETRIES retries
     leftover_temp_files: int = 0  # half-written specs still there after the restart
+    static_mig_lost: int = 0  # runs after which the administrator's MIG device was gone
+    mig_kept_after_store_loss: int = 0  # the driver's, made before the loss but named by no spec yet
     killed_at: Counter[str] = field(default_factory=Counter)
     claims_by_kind: Counter[str] = field(default_factory=Counter)
+    store_losses: Counter[str] = field(default_factory=Counter)  # "deleted" / "corrupted": applied
     problems: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
@@ -76,127 +122,272 @@ class Kill9Figures:
             "kill9.runs": self.runs,
             "kill9.kills": self.kills,
             "kill9.kills_during_recovery": self.kills_during_recovery,
+            "kill9.kills_during_recovery_after_store_loss": self.kills_during_recovery_after_store_loss,
+            "kill9.two_instance_runs": self.two_instance_runs,
             "kill9.leaked_specs": self.leaked_specs,
             "kill9.leaked_mig": self.leaked_mig,
             "kill9.leaked_records": self.leaked_records,
+            "kill9.leaked_mps_daemons": self.leaked_mps_daemons,
+            "kill9.settings_not_restored": self.settings_not_restored,
             "kill9.lost_claims": self.lost_claims,
             "kill9.double_allocations": self.double_allocations,
             "kill9.failed_claims": self.failed_claims,
             "kill9.leftover_temp_files": self.leftover_temp_files,
+            "kill9.static_mig_lost": self.static_mig_lost,
+            "kill9.mig_kept_after_store_loss": self.mig_kept_after_store_loss,
             "kill9.killed_at": dict(sorted(self.killed_at.items())),
+            "kill9.kinds": sorted(self.claims_by_kind),
             "kill9.claims_by_kind": dict(sorted(self.claims_by_kind.items())),
+            "kill9.store_losses": dict(sorted(self.store_losses.items())),
             "kill9.problems": self.problems[:20],
         }
 
 
 @dataclass(frozen=True)
+class ClaimPlan:
+    kind: str  # one of KINDS
+    device: str  # what the scheduler allocated: "gpu-3", "gpu-3-mig-1g10gb-19-4", ...
+
+
+@dataclass(frozen=True)
 class Plan:
-    devices: tuple[str, ...]  # one per claim
-    admin_devices: tuple[str, ...]  # one per claim with admin access
+    claims: tuple[ClaimPlan, ...]
     crash_point: str | None  # armed in the daemon, "<point>@<n>"
     external_kill: tuple[str, float] | None  # ("prepare" | "unprepare", seconds after the call)
     pod_deleted_after_kill: bool  # skip the retried prepare, as when the pod was deleted meanwhile
     # armed in the daemon started after the kill ("<point>@1"): it may die again while it recovers
     recovery_crash_point: str | None = None
+    second_instance: bool = False  # another instance serves beside the one killed
+    store_loss: str | None = None  # "deleted" | "corrupted": the store, before the start after the kill
 
 
-def plan_run(rng: random.Random) -> Plan:
-    claims = rng.choice((1, 3))
-    mig = rng.random() < 0.5
-    gpus = rng.sample(range(8), claims)
-    devices: list[str] = []
-    for index, gpu in enumerate(gpus):
-        if mig and (index == 0 or rng.random() < 0.5):
-            devices.append(f"gpu-{gpu}-mig-{MIG_PROFILE}-{rng.randrange(7)}")
-        else:
-            devices.append(f"gpu-{gpu}")
-    admin: tuple[str, ...] = ()
-    if rng.random() < 0.4:
-        whole = [d for d in devices if "-mig-" not in d]
-        admin = (rng.choice(whole) if whole and rng.random() < 0.8 else f"gpu-{rng.randrange(8)}",)
-    claims += len(admin)
-    migs = sum("-mig-" in d for d in devices)
+class _Placement:
+    """What a pod's claims hold so far, so that the next one is drawn where the scheduler could put it."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+        self.whole: set[int] = set()  # GPUs held whole (full GPU, time-slicing, MPS)
+        self.shares: Counter[int] = Counter()  # shares per GPU
+        self.slices: dict[int, set[int]] = {}  # dynamic MIG placements per GPU
+        self.static = False  # the static MIG device is taken
+
+    def _free(self, gpu: int) -> bool:
+        return gpu not in self.whole and not self.shares[gpu] and not self.slices.get(gpu)
+
+    def place(self, kind: str) -> ClaimPlan:
+        """A device for ``kind``; a full GPU when nothing of that kind is left in this pod."""
+        device = self._device(kind)
+        return ClaimPlan(kind, device) if device else ClaimPlan("gpu", self._device("gpu") or "gpu-1")
+
+    def _device(self, kind: str) -> str | None:
+        rng = self._rng
+        if kind in ("gpu", "time-slicing", "mps"):
+            free = [g for g in _WHOLE_GPUS if self._free(g)]
+            if not free:
+                return None
+            gpu = rng.choice(free)
+            self.whole.add(gpu)
+            return f"gpu-{gpu}"
+        if kind == "share":  # up to two shares of one GPU in a pod; often a second on the same GPU
+            open_ = [g for g in _WHOLE_GPUS if self.shares[g] == 1] if rng.random() < 0.5 else []
+            free = open_ or [g for g in _WHOLE_GPUS if self._free(g)]
+            if not free:
+                return None
+            gpu = rng.choice(free)
+            self.shares[gpu] += 1
+            return f"gpu-{gpu}"
+        if kind == "mig-dynamic":
+            places = [
+                (g, start)
+                for g in range(8)
+                if g not in self.whole and not self.shares[g]
+                for start in (range(4, 7) if g == 0 else range(7))  # gpu-0: beside the static device
+                if start not in self.slices.get(g, set())
+            ]
+            gpu, start = rng.choice(places)
+            self.slices.setdefault(gpu, set()).add(start)
+            return f"gpu-{gpu}-mig-{MIG_PROFILE}-{start}"
+        if kind == "mig-static":
+            if self.static:
+                return None
+            self.static = True
+            return STATIC_MIG
+        if kind == "admin-gpu":  # most often a GPU another claim of the pod holds
+            if self.whole and rng.random() < 0.8:
+                return f"gpu-{rng.choice(sorted(self.whole))}"
+            return (
+                f"gpu-{rng.choice([g for g in _WHOLE_GPUS if not self.shares[g] and not self.slices.get(g)])}"
+            )
+        assert kind == "admin-mig", kind
+        return STATIC_MIG
+
+
+def plan_run(rng: random.Random, number: int) -> Plan:
+    placement = _Placement(rng)
+    kinds = [KINDS[number % len(KINDS)]]
+    kinds += rng.choices(list(_WEIGHTS), weights=list(_WEIGHTS.values()), k=rng.choice((0, 2)))
+    if rng.random() < 0.4:  # a monitoring container beside the workload
+        static_held = "mig-static" in kinds
+        kinds.append("admin-mig" if rng.random() < (0.5 if static_held else 0.2) else "admin-gpu")
+    # Workloads first, so that admin access most often goes to what one of them holds.
+    ordered = sorted(kinds, key=lambda kind: kind.startswith("admin-"))
+    claims = tuple(placement.place(kind) for kind in ordered)
+    migs = sum(c.kind == "mig-dynamic" for c in claims)
     crash_point: str | None = None
     external: tuple[str, float] | None = None
-    if rng.random() < 0.7:
+    # Every seventh run (and a few more) with two instances; every seventh other run loses the store.
+    second = number % 7 == 3 or (number % 7 != 5 and rng.random() < 0.15)
+    store_loss = None
+    if not second and (number % 7 == 5 or rng.random() < 0.15):
+        store_loss = _STORE_LOSSES[number // 7 % 2] if number % 7 == 5 else rng.choice(_STORE_LOSSES)
+    if rng.random() < 0.7 and not (store_loss and number % 7 == 5):
         points = [p for p in POINTS if migs or p not in _MIG_POINTS]
         point = rng.choice(points)
         if point.startswith("store."):
-            # Per claim its record (one step, or Reserve + Progress per MIG device + Complete) and its
-            # Release; per MIG device its entry and its removal; the store's creation at start-up.
-            hits = 1 + 2 * claims + 3 * migs
+            # Per claim its record (one step, or Reserve + Progress per MIG device, MPS daemon or GPU
+            # setting + Complete) and its Release; per MIG device its entry and its removal; the
+            # store's creation at start-up.
+            hits = 1 + 3 * len(claims) + 3 * migs
         elif point.startswith("mig."):
             hits = migs
         else:
-            hits = claims
+            hits = len(claims)
         crash_point = f"{point}@{rng.randint(1, hits)}"
     else:
         external = (rng.choice(("prepare", "unprepare")), rng.uniform(0.0, 0.06))
     deleted = rng.random() < 0.25
     recovery_crash = f"{rng.choice(_RECOVERY_POINTS)}@1" if rng.random() < 0.3 else None
-    return Plan(tuple(devices), admin, crash_point, external, deleted, recovery_crash)
+    if store_loss and (number % 7 == 5 or rng.random() < 0.7):
+        # The store's creation is its first transaction; each claim rebuilt from its spec is one more.
+        recovery_crash = f"{rng.choice(_RECOVERY_POINTS)}@{rng.choice((1, 2))}"
+    return Plan(claims, crash_point, external, deleted, recovery_crash, second, store_loss)
 
 
 async def run(env: Env, runs: int, seed: int) -> Kill9Figures:
     rng = random.Random(seed)
     figures = Kill9Figures()
     node = env.node("rel-kill9")
-    plugin = node.plugin()
+    plugin = node.plugin(extra_args=DAEMON_ARGS)
+    second = node.plugin(pod_uid=SECOND_POD_UID, extra_args=DAEMON_ARGS)
+    static = await asyncio.to_thread(_create_static_mig, node, plugin.paths)
     try:
         for number in range(runs):
-            plan = plan_run(rng)
-            await _one_run(node, plugin, plan, figures, number)
+            plan = plan_run(rng, number)
+            await _one_run(
+                node, plugin, second if plan.second_instance else None, plan, figures, number, rng, static
+            )
             figures.runs += 1
     finally:
         await plugin.stop()
+        await second.stop()
     return figures
 
 
-async def _one_run(node: SimNode, plugin: Plugin, plan: Plan, figures: Kill9Figures, number: int) -> None:
-    claims = await asyncio.to_thread(
-        lambda: [node.claim(d) for d in plan.devices] + [node.admin_claim(d) for d in plan.admin_devices]
-    )
-    figures.claims_by_kind.update("mig-dynamic" if "-mig-" in d else "gpu" for d in plan.devices)
-    figures.claims_by_kind.update("admin-gpu" for _ in plan.admin_devices)
+def _create_static_mig(node: SimNode, paths: DriverPaths) -> str:
+    """The administrator's MIG device on gpu-0, made before the driver first starts; its uuid."""
+    paths.create()
+    backend = SimulatedBackend(PROFILE, node.name, paths.data)
+    try:
+        backend.admin_set_mig_mode(0, True)
+        return backend.admin_create_mig(0, "3g.40gb", 0).uuid
+    finally:
+        backend.close()
+
+
+async def _create_claims(node: SimNode, plan: Plan) -> list[ClaimRef]:
+    def create(claim: ClaimPlan) -> ClaimRef:
+        if claim.kind.startswith("admin-"):
+            return node.admin_claim(claim.device)
+        if claim.kind == "share":
+            return node.claim(claim.device, share_id=str(uuid.uuid4()), consumed={"memory": SHARE_MEMORY})
+        if claim.kind == "time-slicing":
+            interval = _TIME_SLICES[len(claim.device) % len(_TIME_SLICES)]
+            return node.claim(
+                claim.device,
+                config=_gpu_config({"strategy": "TimeSlicing", "timeSlicing": {"interval": interval}}),
+            )
+        if claim.kind == "mps":
+            return node.claim(claim.device, config=_gpu_config({"strategy": "MPS"}))
+        return node.claim(claim.device)
+
+    return await asyncio.to_thread(lambda: [create(claim) for claim in plan.claims])
+
+
+def _gpu_config(sharing: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": "GpuConfig", "sharing": sharing}
+
+
+async def _one_run(
+    node: SimNode,
+    plugin: Plugin,
+    second: Plugin | None,
+    plan: Plan,
+    figures: Kill9Figures,
+    number: int,
+    rng: random.Random,
+    static: str,
+) -> None:
+    claims = await _create_claims(node, plan)
+    figures.claims_by_kind.update(c.kind for c in plan.claims)
     label = f"run {number} {plan}"
     killed = False
+    store_lost = False
+    kept_mig: set[str] = set()  # the driver's MIG devices that no spec named when the store was lost
+
+    def instances() -> list[Plugin]:
+        return [p for p in (plugin, second) if p is not None and p.running]
 
     async def ensure_running() -> None:
-        nonlocal killed
         if not plugin.running:
             plugin.reap()
             await restart()
+        if second is not None and not second.running:  # never killed: a death here is a failure
+            figures.problems.append(f"{label}: the second instance died:\n{second.tail(5)}")
+            second.reap()
+            await _start(second, None)
 
     async def restart() -> None:
         """The daemon after a kill; the first one armed to die again (while it recovers, or later)."""
-        nonlocal killed
+        nonlocal killed, store_lost
         first, killed = not killed, True
+        if first and plan.store_loss is not None:
+            kept_mig.update(await asyncio.to_thread(_lose_store, node, plugin.paths, plan.store_loss, static))
+            figures.store_losses[plan.store_loss] += 1
+            store_lost = True
         if first and plan.recovery_crash_point is not None:
             try:
                 await _start(plugin, plan.recovery_crash_point)
                 return
             except PluginDied:
                 figures.kills_during_recovery += 1
+                figures.kills_during_recovery_after_store_loss += store_lost
         await _start(plugin, None)
 
-    await plugin.stop()
-    try:
-        await _start(plugin, plan.crash_point)
-    except PluginDied:
-        await restart()
+    if second is not None:
+        figures.two_instance_runs += 1
+        await _start(second, None)
+    # A daemon started unarmed (after the last run's kill) serves on; one armed is started afresh.
+    if not (plugin.running and plugin.crash_point is None and plan.crash_point is None):
+        await plugin.stop()
+        try:
+            await _start(plugin, plan.crash_point)
+        except PluginDied:
+            await restart()
+
+    async def send(operation: str, sent: list[ClaimRef]) -> CallResult:
+        return await _send(instances(), operation, sent, rng)
 
     told_prepared: set[str] = set()
-    result = await _call(plugin, "prepare", claims, plan)
+    result = await _call(plugin, send("prepare", claims), plan, "prepare")
     told_prepared |= {c.uid for c in claims if result.ok(c.uid)}
-    if not plugin.running:
-        await ensure_running()
+    await ensure_running()
     skip_prepare = killed and plan.pod_deleted_after_kill
     if not skip_prepare:
         pending = [c for c in claims if c.uid not in told_prepared]
         for _ in range(RETRIES):
             if not pending:
                 break
-            result = await plugin.prepare(pending)
+            result = await send("prepare", pending)
             await ensure_running()
             told_prepared |= {c.uid for c in pending if result.ok(c.uid)}
             pending = [c for c in claims if c.uid not in told_prepared]
@@ -205,15 +396,15 @@ async def _one_run(node: SimNode, plugin: Plugin, plan: Plan, figures: Kill9Figu
         if pending:
             figures.failed_claims += len(pending)
             figures.problems.append(f"{label}: prepare never succeeded: {result}")
-        _check_prepared(node, plugin, claims, told_prepared, figures, label)
+        _check_prepared(node, plugin, claims, told_prepared, figures, label, store_lost)
 
-    result = await _call(plugin, "unprepare", claims, plan)
+    result = await _call(plugin, send("unprepare", claims), plan, "unprepare")
     await ensure_running()
     pending = [c for c in claims if not result.ok(c.uid)]
     for _ in range(RETRIES):
         if not pending:
             break
-        result = await plugin.unprepare(pending)
+        result = await send("unprepare", pending)
         await ensure_running()
         pending = [c for c in pending if not result.ok(c.uid)]
         if pending:
@@ -221,8 +412,10 @@ async def _one_run(node: SimNode, plugin: Plugin, plan: Plan, figures: Kill9Figu
     if pending:
         figures.failed_claims += len(pending)
         figures.problems.append(f"{label}: unprepare never succeeded: {result}")
-    if _check_released(node, plugin, figures, label):
-        await _reset(node, plugin)
+    if second is not None:
+        await second.stop()
+    if _check_released(node, plugin, figures, label, static, store_lost, kept_mig):
+        await _reset(node, plugin, static)
     if killed:
         figures.kills += 1
         figures.killed_at[_where(plugin, plan)] += 1
@@ -232,9 +425,37 @@ async def _start(plugin: Plugin, crash_point: str | None) -> None:
     await plugin.start(crash_point)
 
 
-async def _call(plugin: Plugin, operation: str, claims: list[ClaimRef], plan: Plan) -> CallResult:
+async def _send(
+    instances: list[Plugin], operation: str, claims: list[ClaimRef], rng: random.Random
+) -> CallResult:
+    """One call of the kubelet's, its claims split at random between the instances that run."""
+    if len(instances) < 2:
+        target = instances[0] if instances else None
+        if target is None:
+            return CallResult(transport_error="no instance of the plugin runs")
+        return await (target.prepare(claims) if operation == "prepare" else target.unprepare(claims))
+    groups: dict[int, list[ClaimRef]] = {}
+    for claim in claims:
+        groups.setdefault(rng.randrange(len(instances)), []).append(claim)
+    calls = [
+        instances[i].prepare(group) if operation == "prepare" else instances[i].unprepare(group)
+        for i, group in groups.items()
+    ]
+    merged = CallResult()
+    for group, result in zip(groups.values(), await asyncio.gather(*calls), strict=True):
+        for claim in group:
+            merged.errors[claim.uid] = (
+                None
+                if result.ok(claim.uid)
+                else (result.transport_error or result.errors.get(claim.uid) or "no answer for the claim")
+            )
+    return merged
+
+
+async def _call(
+    plugin: Plugin, call: Coroutine[Any, Any, CallResult], plan: Plan, operation: str
+) -> CallResult:
     """The run's first prepare or unprepare call, with the external kill when it is planned here."""
-    call = plugin.prepare(claims) if operation == "prepare" else plugin.unprepare(claims)
     if plan.external_kill is None or plan.external_kill[0] != operation or not plugin.running:
         return await call
     task = asyncio.create_task(call)
@@ -250,6 +471,22 @@ def _where(plugin: Plugin, plan: Plan) -> str:
     return f"random moment of {plan.external_kill[0]}"
 
 
+def _lose_store(node: SimNode, paths: DriverPaths, how: str, static: str) -> set[str]:
+    """Delete the node's store, or overwrite it with garbage, while no daemon runs; the driver's MIG
+    devices that no CDI spec names yet (they cannot be told from an administrator's any more)."""
+    state = NodeState.read(paths, node.name)
+    spec_text = "".join(path.read_text(errors="replace") for path in paths.cdi.glob("*.json"))
+    unnamed = {m.uuid for m in state.mig_devices if m.uuid != static and m.uuid not in spec_text}
+    store = paths.data / STORE_FILE_NAME
+    for companion in paths.data.glob(f"{STORE_FILE_NAME}-*"):  # its write-ahead log and shared memory
+        companion.unlink()
+    if how == "deleted":
+        store.unlink(missing_ok=True)
+    else:
+        store.write_bytes(b"not a database, after a disk fault " * 200)
+    return unnamed
+
+
 def _check_prepared(
     node: SimNode,
     plugin: Plugin,
@@ -257,9 +494,12 @@ def _check_prepared(
     told_prepared: set[str],
     figures: Kill9Figures,
     label: str,
+    store_lost: bool,
 ) -> None:
     state = NodeState.read(plugin.paths, node.name)
     live = {m.uuid for m in state.mig_devices}
+    # After a lost store a claim the kubelet does not prepare again keeps the record rebuilt from its spec.
+    phases = ("PrepareCompleted", "Recovered") if store_lost else ("PrepareCompleted",)
     for claim in claims:
         if claim.uid not in told_prepared:
             continue
@@ -267,7 +507,7 @@ def _check_prepared(
         problem = None
         if claim.uid not in state.specs:
             problem = "no CDI spec"
-        elif record is None or record.phase != "PrepareCompleted":
+        elif record is None or record.phase not in phases:
             problem = f"record {record.phase if record else 'missing'}"
         elif any(d.mig is not None and d.mig.uuid not in live for d in record.devices):
             problem = "its MIG device does not exist"
@@ -279,27 +519,48 @@ def _check_prepared(
     figures.problems.extend(f"{label}: held twice: {d}" for d in doubles)
 
 
-def _check_released(node: SimNode, plugin: Plugin, figures: Kill9Figures, label: str) -> bool:
-    """Counts what the run left behind; whether it left anything."""
+def _check_released(
+    node: SimNode,
+    plugin: Plugin,
+    figures: Kill9Figures,
+    label: str,
+    static: str,
+    store_lost: bool,
+    kept_mig: set[str],
+) -> bool:
+    """Counts what the run left behind; whether anything must be cleaned up before the next run."""
     state = NodeState.read(plugin.paths, node.name)
+    migs = {m.uuid for m in state.mig_devices} - {static}
+    kept = migs & kept_mig
+    leaked_mig = migs - kept
+    # The compute mode and time slice to put back are part of the claim's record: lost with the store.
+    changed = () if store_lost else state.changed_gpus
     figures.leaked_specs += len(state.specs)
-    figures.leaked_mig += len(state.mig_devices)
+    figures.leaked_mig += len(leaked_mig)
+    figures.mig_kept_after_store_loss += len(kept)
     figures.leaked_records += len(state.records)
+    figures.leaked_mps_daemons += len(state.mps_daemons)
+    figures.settings_not_restored += len(changed)
     figures.leftover_temp_files += len(state.temp_files)
+    if static not in {m.uuid for m in state.mig_devices}:
+        figures.static_mig_lost += 1
+        figures.problems.append(f"{label}: the administrator's MIG device {STATIC_MIG} is gone")
     if state.temp_files:
         figures.problems.append(f"{label}: temporary files left: {list(state.temp_files)}")
         for temp in state.temp_files:  # counted once, not again in every later run
             Path(temp).unlink()
-    if state.specs or state.mig_devices or state.records:
+    if state.specs or leaked_mig or state.records or state.mps_daemons or changed:
         figures.problems.append(
             f"{label}: left behind specs {sorted(state.specs)}, records {sorted(state.records)}, "
-            f"MIG devices {[m.uuid for m in state.mig_devices]}"
+            f"MIG devices {sorted(leaked_mig)}, MPS daemons {sorted(state.mps_daemons)}, "
+            f"GPU settings not restored on {list(changed)}"
         )
-    return bool(state.specs or state.mig_devices or state.records)
+    return bool(state.specs or migs or state.records or state.mps_daemons or state.changed_gpus)
 
 
-async def _reset(node: SimNode, plugin: Plugin) -> None:
-    """Wipe the node after a leak, so that one leak is counted once, not again in every later run."""
+async def _reset(node: SimNode, plugin: Plugin, static: str) -> None:
+    """Wipe the node after a leak (or what a lost store left: an operator's work), so that one leak is
+    counted once, not again in every later run. The administrator's MIG device stays."""
     await plugin.stop()
     state = NodeState.read(plugin.paths, node.name)
     specs = SpecStore(plugin.paths.cdi, DRIVER)
@@ -307,9 +568,18 @@ async def _reset(node: SimNode, plugin: Plugin) -> None:
         specs.remove(uid)
     for store_file in plugin.paths.data.glob(f"{STORE_FILE_NAME}*"):
         store_file.unlink()
+    daemons = LocalMpsDaemons(plugin.paths.data / MPS_DIR)
+    for daemon in state.mps_daemons:
+        await daemons.stop(daemon)
+    for pid in state.mps_pids:  # also those no pid file names (``stop`` finds only those)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     backend = SimulatedBackend(PROFILE, node.name, plugin.paths.data)
     try:
         for mig in state.mig_devices:
-            backend.destroy_mig_device(mig.parent_uuid, mig.uuid)
+            if mig.uuid != static:
+                backend.destroy_mig_device(mig.parent_uuid, mig.uuid)
+        for gpu in backend.inventory().gpus:
+            backend.set_compute_policy(gpu.uuid, ComputePolicy())
     finally:
         backend.close()

@@ -25,9 +25,9 @@ from bench.kubelet import register
 from dra_driver.cdi.store import SpecStore
 from dra_driver.crashpoint import ENV as CRASH_POINT_ENV
 from dra_driver.devices.simulated import SimulatedBackend
-from dra_driver.devices.types import MigDevice
+from dra_driver.devices.types import ComputePolicy, MigDevice
 from dra_driver.kubelet.pb.dra.v1 import dra_pb2, dra_pb2_grpc
-from dra_driver.node.records import ClaimRecord
+from dra_driver.node.records import ClaimRecord, DeviceRecord
 from dra_driver.node.store import STORE_FILE, open_read_only
 from dra_driver.node.types import ClaimRef
 from dra_driver.settings import DEFAULT_DRIVER_NAME
@@ -82,6 +82,7 @@ class Plugin:
         self._stub: dra_pb2_grpc.DRAPluginStub | None = None
         self.http_port = 0
         self.endpoint: Path | None = None  # the DRA socket, as the registration names it
+        self.crash_point: str | None = None  # the one the running daemon was started with
 
     @property
     def registration_socket(self) -> Path:
@@ -109,6 +110,7 @@ class Plugin:
         env.pop(CRASH_POINT_ENV, None)
         if crash_point:
             env[CRASH_POINT_ENV] = crash_point
+        self.crash_point = crash_point
         self._child, self._record = processes.spawn(
             "dra-driver", self._argv(), self.log, env=env, die_with_parent=True
         )
@@ -242,6 +244,10 @@ def read_records(path: Path) -> dict[str, ClaimRecord]:
         store.close()
 
 
+MPS_DIR = "mps"  # the simulated node's MPS daemons (stand-in processes), under the data directory
+_SLICES = 8  # memory slices of an H100: a full GPU occupies all of them
+
+
 @dataclass(frozen=True)
 class NodeState:
     """What is on the node's disk and GPUs, read from outside the daemon."""
@@ -250,6 +256,9 @@ class NodeState:
     records: dict[str, ClaimRecord]  # the store's claims
     mig_devices: tuple[MigDevice, ...]  # alive on the simulated GPUs
     temp_files: tuple[str, ...]  # the driver's leftover .tmp files in the data and CDI directories
+    mps_daemons: frozenset[str] = frozenset()  # MPS control daemons running or left (their ids)
+    mps_pids: tuple[int, ...] = ()  # the processes of those that run, with a directory or without
+    changed_gpus: tuple[str, ...] = ()  # GPUs (device names) not at the default compute mode and time slice
 
     @classmethod
     def read(cls, paths: DriverPaths, node: str) -> NodeState:
@@ -257,9 +266,16 @@ class NodeState:
         records = read_records(paths.data / STORE_FILE)
         backend = SimulatedBackend(PROFILE, node, paths.data)
         try:
-            migs = tuple(m for gpu in backend.inventory().gpus for m in gpu.mig_devices)
+            gpus = backend.inventory().gpus
+            migs = tuple(m for gpu in gpus for m in gpu.mig_devices)
+            changed = tuple(
+                f"gpu-{gpu.index}" for gpu in gpus if backend.compute_policy(gpu.uuid) != ComputePolicy()
+            )
         finally:
             backend.close()
+        mps = paths.data / MPS_DIR  # a daemon's directory lives as long as the daemon (mps_local)
+        directories = {entry.name for entry in mps.iterdir() if entry.is_dir()} if mps.exists() else set()
+        processes = mps_processes(mps)
         # The driver's own temporary files are hidden (the CDI specs'); the
         # simulator's state file stands in for hardware and is not counted.
         temps = tuple(
@@ -269,25 +285,81 @@ class NodeState:
             for p in d.iterdir()
             if p.name.startswith(".") and p.name.endswith(".tmp")
         )
-        return cls(specs=specs, records=dict(records), mig_devices=migs, temp_files=temps)
+        return cls(
+            specs=specs,
+            records=dict(records),
+            mig_devices=migs,
+            temp_files=temps,
+            mps_daemons=frozenset(directories | set(processes.values())),
+            mps_pids=tuple(processes),
+            changed_gpus=changed,
+        )
 
     def double_allocations(self) -> list[str]:
-        """Devices that two claims' records hold at once: the same device (or MIG device), or a full GPU
-        and a MIG device on it. Admin access shares a device legally, and so do a claim's own results."""
-        holders: dict[str, set[str]] = {}  # device name or MIG uuid -> claims
-        mig_parents: dict[str, set[str]] = {}  # full GPU -> claims holding a MIG device created on it
+        """Hardware that two claims' records hold exclusively at once: a memory slice of a GPU (a full
+        GPU occupies all of its slices, a MIG device those of its placement), one MIG device (by its
+        uuid), or a GPU both shared (consumable capacity) and held whole or in part. Admin access
+        occupies nothing; shares of one GPU may be many; a claim's own results never conflict."""
+        holders: dict[tuple[str, int | str], set[str]] = {}  # (GPU, memory slice) or (MIG uuid, "") -> claims
+        shared: dict[str, set[str]] = {}  # GPU -> claims holding a share of it
         for uid, record in self.records.items():
             for device in record.devices:
                 if device.admin_access:
                     continue
-                holders.setdefault(device.device, set()).add(uid)
-                if device.mig is not None:
-                    mig_parents.setdefault(device.mig.parent_device, set()).add(uid)
-                    if device.mig.uuid:
-                        holders.setdefault(device.mig.uuid, set()).add(uid)
-        found = [f"{name}: {sorted(uids)}" for name, uids in holders.items() if len(uids) > 1]
-        for gpu, mig_holders in mig_parents.items():
-            whole = holders.get(gpu, set()) - mig_holders
+                if device.share_id is not None:
+                    shared.setdefault(device.device, set()).add(uid)
+                    continue
+                for unit in _units(device):
+                    holders.setdefault(unit, set()).add(uid)
+                if device.mig is not None and device.mig.uuid:
+                    holders.setdefault((device.mig.uuid, ""), set()).add(uid)
+        found = {_held_twice(unit, uids) for unit, uids in holders.items() if len(uids) > 1}
+        for gpu, sharing in shared.items():
+            whole = set().union(*(holders.get((gpu, index), set()) for index in range(_SLICES))) - sharing
             if whole:
-                found.append(f"{gpu} whole for {sorted(whole)} and MIG for {sorted(mig_holders)}")
+                found.add(f"{gpu} shared by {sorted(sharing)} and held by {sorted(whole)}")
         return sorted(found)
+
+
+def mps_processes(root: Path) -> dict[int, str]:
+    """The stand-in MPS daemons running under ``root``, by pid: their daemon ids. Read from /proc, as
+    a process whose directory is gone, or whose pid no file names, is as alive as any other."""
+    found: dict[int, str] = {}
+    prefix = f"{root}{os.sep}"
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue  # exited meanwhile
+        for arg in argv:
+            if arg.startswith(prefix):
+                found[int(entry.name)] = arg[len(prefix) :].partition(os.sep)[0]
+                break
+    return found
+
+
+def _held_twice(unit: tuple[str, int | str], uids: set[str]) -> str:
+    name, index = unit
+    return f"{name} slice {index}: {sorted(uids)}" if index != "" else f"{name}: {sorted(uids)}"
+
+
+def _units(device: DeviceRecord) -> list[tuple[str, int | str]]:
+    """The memory slices a device occupies: a full GPU all of its own; a MIG device those of its
+    placement, as its record tells (dynamic MIG) or its name does (``gpu-0-mig-3g40gb-9-0``: an H100
+    profile's size in memory slices, then its start); a device of another name itself."""
+    gpu, _, mig = device.device.partition("-mig-")
+    if not mig:
+        return [(gpu, index) for index in range(_SLICES)]
+    if device.mig is not None:
+        placed = device.mig
+        return [(placed.parent_device, placed.placement_start + i) for i in range(placed.placement_size)]
+    profile, _, start = mig.rpartition("-")
+    size = _MIG_SLICES.get(profile.rpartition("-")[0])
+    if size is None or not start.isdigit():
+        return [(device.device, "")]
+    return [(gpu, int(start) + offset) for offset in range(size)]
+
+
+_MIG_SLICES = {"1g10gb": 1, "1g20gb": 2, "2g20gb": 2, "3g40gb": 4, "4g40gb": 4, "7g80gb": 8}

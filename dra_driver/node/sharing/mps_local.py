@@ -60,6 +60,9 @@ class LocalMpsDaemons:
     def _start(self, spec: MpsDaemonSpec) -> MpsPaths:
         paths = self.paths(spec.id)
         if self._alive(spec.id):
+            pid_file = paths.root / "pid"
+            if not pid_file.exists():  # its plugin was killed before writing it: adopt the process
+                pid_file.write_text(f"{self._pid(spec.id)}\n")
             return paths
         for directory in (paths.pipe, paths.log, paths.shm):
             directory.mkdir(parents=True, exist_ok=True)
@@ -151,7 +154,23 @@ class LocalMpsDaemons:
         try:
             return int((self.paths(daemon_id).root / "pid").read_text())
         except (FileNotFoundError, ValueError):
-            return None
+            return self._unrecorded_pid(daemon_id)
+
+    def _unrecorded_pid(self, daemon_id: str) -> int | None:
+        """The daemon's process when no file names it: a plugin killed between starting the process
+        and writing its pid leaves one, and a restarted plugin must adopt or stop it, not start a
+        second beside it. Found by its ``--root``, the daemon's directory, among /proc's command lines."""
+        root = str(self.paths(daemon_id).root).encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue  # exited meanwhile
+            if STANDIN_MODULE.encode() in argv and root in argv:
+                return int(entry.name)
+        return None
 
     def _alive(self, daemon_id: str) -> bool:
         child = self._children.get(daemon_id)

@@ -93,6 +93,32 @@ async def test_a_restarted_plugin_finds_and_stops_the_daemon_it_started_before(
     assert daemons.pid(spec.id) is None
 
 
+async def test_a_daemon_whose_pid_was_never_written_is_adopted_and_stopped_not_started_twice(
+    tmp_path: Path, backend: SimulatedBackend, daemons: LocalMpsDaemons
+) -> None:
+    """A plugin SIGKILLed between starting the daemon's process and writing its pid file: the restarted
+    plugin's repeated start must use that process, and its stop end it (the fault suite found one
+    such process running on with nothing left to name it)."""
+    spec = spec_for(backend)
+    backend.set_compute_policy(spec.devices[0].uuid, ComputePolicy(ComputeMode.EXCLUSIVE_PROCESS))
+    paths = await daemons.start(spec)
+    await daemons.wait_ready(spec, timeout_s=30)
+    pid = daemons.pid(spec.id)
+    assert pid is not None
+    (paths.root / "pid").unlink()
+
+    restarted = LocalMpsDaemons(tmp_path / "mps", tmp_path / "sim" / STATE_FILE_NAME)
+    assert restarted.pid(spec.id) == pid
+    assert await restarted.start(spec) == paths
+    await restarted.wait_ready(spec, timeout_s=30)
+    assert restarted.pid(spec.id) == pid
+    assert (paths.root / "pid").read_text() == f"{pid}\n"
+    await restarted.stop(spec.id)
+    daemons.pid(spec.id)  # reaps the process this plugin started, once it ended
+    assert not process_exists(pid)
+    assert not paths.root.exists()
+
+
 async def test_a_daemon_that_fails_to_start_says_why(
     backend: SimulatedBackend, daemons: LocalMpsDaemons
 ) -> None:
