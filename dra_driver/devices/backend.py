@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from dra_driver.devices.pci import PciBus
 from dra_driver.devices.types import ComputePolicy, Inventory, MigDevice, Placement
 
 
@@ -51,6 +52,14 @@ class Backend(Protocol):
 
     def set_compute_policy(self, gpu_uuid: str, policy: ComputePolicy) -> None:
         """Set the full GPU's compute mode, then its time slice; on failure the GPU is left as it was."""
+        ...
+
+    def processes(self, gpu_uuid: str) -> int:
+        """How many processes use the full GPU now (compute and graphics): passthrough needs none."""
+        ...
+
+    def pci(self) -> PciBus:
+        """The node's PCI bus, where a GPU is moved to vfio-pci for passthrough and back."""
         ...
 
     def close(self) -> None:

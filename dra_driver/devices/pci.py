@@ -5,6 +5,7 @@ Passthrough (a GPU given whole to a virtual machine) needs the GPU bound to the 
 ``/dev/vfio/<group>``. Everything here is read from and written to sysfs under ``root``
 (``/sys`` on a node; the simulator builds the same tree elsewhere, :mod:`dra_driver.devices.sim_sysfs`)::
 
+    bus/pci/devices/<address>/vendor, class     "0x10de", "0x030200": which functions are NVIDIA GPUs
     bus/pci/devices/<address>/driver            -> the bound driver's directory (absent: unbound)
     bus/pci/devices/<address>/iommu_group       -> kernel/iommu_groups/<group>
     bus/pci/devices/<address>/driver_override   the driver the next probe must pick, "(null)": any
@@ -12,6 +13,12 @@ Passthrough (a GPU given whole to a virtual machine) needs the GPU bound to the 
     bus/pci/drivers/<driver>/bind, unbind       write an address: bind or unbind that device
     kernel/iommu_groups/<group>/devices/*       every function in the group
     class/vfio/<group>/dev, class/misc/vfio/dev "major:minor" of /dev/vfio/<group>, /dev/vfio/vfio
+    class/misc/iommu                            present where the kernel has IOMMUFD (/dev/iommu)
+
+A GPU's passthrough device is named by its place among the node's NVIDIA GPUs in PCI address
+order, ``gpu-vfio-<index>``, as NVIDIA's driver names it (go-nvlib's ``nvpci``): the order
+counts every GPU function on the bus, so a GPU on vfio-pci, which NVML no longer lists, keeps
+its index and moves none of the others'.
 
 A move from one driver to another is three writes (unbind, driver_override, bind) and a check
 that the device is now bound where it should be. A failed move to ``vfio-pci`` rolls back to
@@ -34,6 +41,10 @@ VFIO_PCI = "vfio-pci"
 # (pcieport) stay with the host, and a function already on vfio-pci belongs to no host driver.
 _HARMLESS_DRIVERS = frozenset({VFIO_PCI, "pcieport"})
 
+NVIDIA_VENDOR = "0x10de"
+# PCI classes of a GPU: VGA controller (0x0300) and 3D controller (0x0302), as nvpci reads them.
+_GPU_CLASSES = ("0x0300", "0x0302")
+
 Write = Callable[[Path, str], None]
 
 
@@ -48,6 +59,16 @@ class CharDevice:
     path: str
     major: int
     minor: int
+
+
+@dataclass(frozen=True)
+class PassthroughGpu:
+    """A GPU that can be passed through: its passthrough device's index and its IOMMU group."""
+
+    index: int  # among the node's NVIDIA GPUs in PCI address order: gpu-vfio-<index>
+    address: str  # "0000:3b:00.0"
+    iommu_group: int
+    iommufd: bool  # the kernel offers IOMMUFD (/dev/iommu and a cdev per device)
 
 
 def _write(path: Path, text: str) -> None:
@@ -71,6 +92,32 @@ class PciBus:
 
     def exists(self, address: str) -> bool:
         return self._device(address).is_dir()
+
+    def nvidia_gpus(self) -> tuple[str, ...]:
+        """Addresses of every NVIDIA GPU function on the bus, whichever driver holds it, in PCI order."""
+        directory = self.root / "bus" / "pci" / "devices"
+        if not directory.is_dir():
+            return ()
+        found = []
+        for device in directory.iterdir():
+            try:
+                vendor = (device / "vendor").read_text().strip()
+                pci_class = (device / "class").read_text().strip()
+            except OSError:
+                continue
+            if vendor == NVIDIA_VENDOR and pci_class.startswith(_GPU_CLASSES):
+                found.append(device.name)
+        return tuple(sorted(found, key=lambda address: int(address.replace(":", "").replace(".", ""), 16)))
+
+    def passthrough_gpus(self) -> dict[str, PassthroughGpu]:
+        """By PCI address, the GPUs that can be passed through: those in an IOMMU group."""
+        iommufd = (self.root / "class" / "misc" / "iommu").exists()
+        gpus = {}
+        for index, address in enumerate(self.nvidia_gpus()):
+            group = self.iommu_group(address)
+            if group is not None:
+                gpus[address] = PassthroughGpu(index, address, group, iommufd)
+        return gpus
 
     def driver(self, address: str) -> str | None:
         """The driver ``address`` is bound to; None when it is bound to none."""

@@ -29,7 +29,7 @@ VFIO_CDEV_MAJOR = 506
 FIRST_GROUP = 20  # group numbers as a server has them: the GPUs' come after the chipset's
 
 
-def build_tree(root: Path, gpus: Iterable[tuple[str, int]]) -> None:
+def build_tree(root: Path, gpus: Iterable[tuple[str, int]], device_id: int = 0x2330) -> None:
     """Create the tree for ``gpus`` (PCI address, IOMMU group), each bound to nvidia; keeps an existing one.
 
     A tree that exists is the state of a running node (a GPU may be on vfio-pci): it is left
@@ -44,16 +44,28 @@ def build_tree(root: Path, gpus: Iterable[tuple[str, int]]) -> None:
     misc.mkdir(parents=True, exist_ok=True)
     (misc / "dev").write_text(f"{VFIO_MISC[0]}:{VFIO_MISC[1]}\n")
     for address, group in gpus:
-        add_function(root, address, group, NVIDIA)
+        add_function(root, address, group, NVIDIA, device_id=device_id)
 
 
-def add_function(root: Path, address: str, group: int, driver: str | None) -> None:
+def add_function(
+    root: Path,
+    address: str,
+    group: int,
+    driver: str | None,
+    *,
+    vendor: int = 0x10DE,
+    device_id: int = 0x2330,
+    pci_class: int = 0x030200,
+) -> None:
     """Add a PCI function to ``group``, bound to ``driver`` (also a GPU's companion, e.g. its audio)."""
     device = root / "bus" / "pci" / "devices" / address
     if device.is_dir():
         return
     device.mkdir(parents=True)
     (device / "driver_override").write_text("(null)\n")
+    (device / "vendor").write_text(f"0x{vendor:04x}\n")
+    (device / "device").write_text(f"0x{device_id:04x}\n")
+    (device / "class").write_text(f"0x{pci_class:06x}\n")
     members = root / "kernel" / "iommu_groups" / str(group) / "devices"
     members.mkdir(parents=True, exist_ok=True)
     os.symlink(f"../../../../kernel/iommu_groups/{group}", device / "iommu_group")

@@ -12,6 +12,8 @@ real GPU. The rules come from NVML and the MIG user guide
   reset, which only an administrator can do (:meth:`SimulatedBackend.admin_set_mig_mode`);
 * MIG mode cannot be switched on while processes use the full GPU, and a MIG
   device with processes attached cannot be destroyed (:meth:`SimulatedBackend.set_busy`);
+* a GPU bound to vfio-pci for passthrough (in the simulated sysfs tree,
+  :mod:`dra_driver.devices.sim_sysfs`) is gone from NVML's view, as on a node;
 * a reboot (a new boot id) destroys every MIG device, clears faults and
   "in use" marks, and switches MIG mode off except on Ampere, which keeps it
   in the InfoROM.
@@ -37,8 +39,10 @@ from pathlib import Path
 
 from dra_driver.devices.backend import DeviceError, DeviceInUseError, PlacementUnavailableError
 from dra_driver.devices.catalog import GpuModel
+from dra_driver.devices.pci import NVIDIA, PciBus
 from dra_driver.devices.sim_nodes import NVIDIA_MAJOR, NodeProfile, node_gpus, node_profile, profile_fabric
 from dra_driver.devices.sim_state import SimGpu, SimMigDevice, SimState, StateFile
+from dra_driver.devices.sim_sysfs import FIRST_GROUP, SimulatedKernel, build_tree
 from dra_driver.devices.types import (
     ComputeMode,
     ComputePolicy,
@@ -126,20 +130,29 @@ class SimulatedBackend:
         *,
         boot_id_path: Path = DEFAULT_BOOT_ID_PATH,
         fabric: str = "",
+        sysfs_root: Path | None = None,
     ) -> None:
-        """``fabric`` (``<cluster-uuid>/<clique-id>``) places an NVL72 node in an NVLink clique."""
+        """``fabric`` (``<cluster-uuid>/<clique-id>``) places an NVL72 node in an NVLink clique;
+        the GPUs' sysfs tree is made under ``sysfs_root`` (default ``<state_dir>/sysfs``)."""
         self.profile: NodeProfile = node_profile(profile)
         self.node_name = node_name
         self._gpus = node_gpus(self.profile, node_name, profile_fabric(self.profile, fabric))
         self._state = StateFile(state_dir / STATE_FILE_NAME)
         self._boot_id_path = boot_id_path
+        self.sysfs_root = sysfs_root or state_dir / "sysfs"
+        self._pci: PciBus | None = None  # the tree is made at the first use, like the state file
 
     # --- Backend -----------------------------------------------------------------------------------
 
     def inventory(self) -> Inventory:
         state = self._reading()
+        pci = self.pci()
         return Inventory(
-            gpus=tuple(self._gpu_now(gpu, model, state) for gpu, model in self._gpus),
+            gpus=tuple(
+                self._gpu_now(gpu, model, state)
+                for gpu, model in self._gpus
+                if pci.driver(gpu.pci_bus_id) == NVIDIA
+            ),
             driver_version=DRIVER_VERSION,
             cuda_driver_version=CUDA_DRIVER_VERSION,
             control_nodes=CONTROL_NODES,
@@ -210,6 +223,24 @@ class SimulatedBackend:
                 )
             sim.compute_mode = policy.compute_mode.value
             sim.time_slice = policy.time_slice.value
+
+    def processes(self, gpu_uuid: str) -> int:
+        gpu, _ = self._find(gpu_uuid)
+        sim = self._reading().gpus.get(gpu.uuid)
+        return 1 if sim is not None and sim.busy else 0
+
+    def pci(self) -> PciBus:
+        if self._pci is None:
+            gpus = [(gpu.pci_bus_id, FIRST_GROUP + gpu.index) for gpu, _ in self._gpus]
+            try:
+                build_tree(self.sysfs_root, gpus)
+            except OSError as error:
+                raise DeviceError(
+                    f"cannot make the simulated GPUs' sysfs tree in {self.sysfs_root}: {error}; point "
+                    "--sysfs-root or --data-dir at a writable directory"
+                ) from None
+            self._pci = PciBus(self.sysfs_root, SimulatedKernel(self.sysfs_root).write)
+        return self._pci
 
     def close(self) -> None:
         """Nothing to release: all state is in the file."""

@@ -9,6 +9,7 @@ import pytest
 
 from dra_driver.devices.pci import NVIDIA, VFIO_PCI, CharDevice, PciBus, PciError
 from dra_driver.devices.sim_sysfs import VFIO_GROUP_MAJOR, SimulatedKernel, add_function, build_tree
+from dra_driver.devices.simulated import SimulatedBackend
 
 GPU = "0000:3b:00.0"
 OTHER = "0000:86:00.0"
@@ -100,7 +101,37 @@ def test_a_failed_rollback_says_how_to_recover_by_hand(bus: PciBus, kernel: Simu
 
 
 def test_busy_group_members_are_the_others_on_host_drivers(bus: PciBus, kernel: SimulatedKernel) -> None:
-    add_function(kernel.root, "0000:3b:00.1", 20, "snd_hda_intel")
-    add_function(kernel.root, "0000:3a:00.0", 20, "pcieport")
+    add_function(kernel.root, "0000:3b:00.1", 20, "snd_hda_intel", pci_class=0x040300)
+    add_function(kernel.root, "0000:3a:00.0", 20, "pcieport", pci_class=0x060400)
     assert bus.busy_group_members(GPU) == {"0000:3b:00.1": "snd_hda_intel"}
     assert bus.busy_group_members(OTHER) == {}
+
+
+def test_passthrough_indexes_follow_pci_order_and_survive_a_gpu_on_vfio(
+    bus: PciBus, kernel: SimulatedKernel
+) -> None:
+    add_function(kernel.root, "0000:3b:00.1", 20, "snd_hda_intel", pci_class=0x040300)  # not a GPU
+    add_function(kernel.root, "0000:0a:00.0", 22, NVIDIA)
+    before = bus.passthrough_gpus()
+    assert [(g.address, g.index, g.iommu_group) for g in before.values()] == [
+        ("0000:0a:00.0", 0, 22),
+        (GPU, 1, 20),
+        (OTHER, 2, 21),
+    ]
+    assert not before[GPU].iommufd
+    bus.bind_vfio(GPU)
+    (kernel.root / "class/misc/iommu").mkdir()
+    after = bus.passthrough_gpus()
+    assert [g.index for g in after.values()] == [0, 1, 2]
+    assert after[GPU].iommufd
+
+
+def test_a_simulated_gpu_on_vfio_pci_is_gone_from_nvmls_view_until_it_is_back(tmp_path: Path) -> None:
+    node = SimulatedBackend("dgx-h100", "node-a", tmp_path)
+    gpu = node.inventory().gpus[1]
+    assert node.pci().passthrough_gpus()[gpu.pci_bus_id].index == 1
+    node.pci().bind_vfio(gpu.pci_bus_id)
+    assert gpu.uuid not in {g.uuid for g in node.inventory().gpus}
+    assert len(node.inventory().gpus) == 7
+    node.pci().bind_nvidia(gpu.pci_bus_id)
+    assert gpu in node.inventory().gpus
