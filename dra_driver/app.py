@@ -553,6 +553,7 @@ async def _serve(
         on_unprepared=claim_status.unprepared,
         on_idle=lambda: trimmer.idle(),
         mps=mps_daemons(settings, api),
+        passthrough=passthrough,
     )
     trimmer = HeapTrimmer(lambda: preparer.busy)  # a burst's freed memory goes back to the kernel
     await preparer.start()  # before publishing: it knows which MIG devices are the driver's own

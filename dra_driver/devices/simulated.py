@@ -141,6 +141,7 @@ class SimulatedBackend:
         self._boot_id_path = boot_id_path
         self.sysfs_root = sysfs_root or state_dir / "sysfs"
         self._pci: PciBus | None = None  # the tree is made at the first use, like the state file
+        self.kernel: SimulatedKernel | None = None  # acts on the tree's writes; tests inject faults there
 
     # --- Backend -----------------------------------------------------------------------------------
 
@@ -239,7 +240,8 @@ class SimulatedBackend:
                     f"cannot make the simulated GPUs' sysfs tree in {self.sysfs_root}: {error}; point "
                     "--sysfs-root or --data-dir at a writable directory"
                 ) from None
-            self._pci = PciBus(self.sysfs_root, SimulatedKernel(self.sysfs_root).write)
+            self.kernel = SimulatedKernel(self.sysfs_root)
+            self._pci = PciBus(self.sysfs_root, self.kernel.write)
         return self._pci
 
     def close(self) -> None:

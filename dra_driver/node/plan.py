@@ -17,6 +17,15 @@ A device name resolves to one of three things (names follow
   capability nodes, so the plan's spec is complete once :meth:`ClaimPlan.with_created`
   has been given every created device.
 
+A passthrough device, ``gpu-vfio-<index>`` (NVIDIA's name: the GPU's place in PCI order), resolves
+to its GPU while that GPU is on the nvidia driver with MIG mode off; the preparer binds it to
+vfio-pci. Its CDI device gives ``/dev/vfio/<group>`` (numbers left to the runtime: the kernel
+picks them when the group appears) and announces ``DRA_GPU_PASSTHROUGH_<DEVICE>=<gpu>,<address>``,
+which tells recovery which GPU to bind back should the store be lost. The claim's spec then holds
+no driver files, hooks or control nodes (the VM's process gets no NVIDIA driver); with
+``iommu.enableAPIDevice`` it gets ``/dev/vfio/vfio``. A claim holds passthrough devices only,
+as NVIDIA's driver has it: a VM and a CUDA container do not share a claim.
+
 A result with a ``shareID`` is a share of a full GPU published with consumable capacity
 (:mod:`dra_driver.node.shares`): it is checked against the GPU's request policy and, unless it
 takes the whole GPU, prepared with MPS limited to what it consumed. Its CDI device carries the
@@ -68,6 +77,7 @@ from dra_driver.cdi.spec import (
     claim_spec,
     uuid_env_name,
 )
+from dra_driver.devices.pci import PassthroughGpu
 from dra_driver.devices.types import DeviceNode, Gpu, Inventory, MigDevice, MigProfile, Placement
 from dra_driver.node.api_base import quantity_bytes
 from dra_driver.node.claims import (
@@ -80,6 +90,8 @@ from dra_driver.node.claims import (
 from dra_driver.node.config import (
     DEFAULT_GPU_CONFIG,
     DEFAULT_MIG_CONFIG,
+    DEFAULT_VFIO_CONFIG,
+    AnyConfig,
     ConfigError,
     Decoded,
     DeviceConfig,
@@ -87,15 +99,25 @@ from dra_driver.node.config import (
     GpuSharing,
     MigDeviceConfig,
     MigSharing,
+    VfioDeviceConfig,
     decode_entry,
     winning_configs,
 )
 from dra_driver.node.shares import Share, pooled, share_config, share_of
 from dra_driver.resources.devices import PartitionPolicy, offers_partitions, partition_all
-from dra_driver.resources.naming import gpu_device_name, maintenance_device_name, mig_device_name
+from dra_driver.resources.naming import (
+    gpu_device_name,
+    maintenance_device_name,
+    mig_device_name,
+    passthrough_device_name,
+)
 
 ADMIN_ACCESS_ENV_PREFIX = "DRA_GPU_ADMIN_ACCESS_"
 MIG_CREATED_ENV_PREFIX = "DRA_GPU_MIG_CREATED_"
+PASSTHROUGH_ENV_PREFIX = "DRA_GPU_PASSTHROUGH_"
+PASSTHROUGH_PREFIX = "gpu-vfio-"
+VFIO_CONTAINER = DeviceNode("/dev/vfio/vfio", 10, 196)  # a misc device: its numbers are fixed
+IOMMU_DEVICE = DeviceNode("/dev/iommu", None, None)  # a misc device with a dynamic minor
 
 
 @dataclass(frozen=True)
@@ -117,6 +139,7 @@ class Target:
     gpu: Gpu
     mig: MigDevice | None = None
     create: MigPlacement | None = None
+    passthrough: PassthroughGpu | None = None  # the GPU bound to vfio-pci for a virtual machine
 
     @property
     def is_mig(self) -> bool:
@@ -149,6 +172,7 @@ class PlannedDevice:
     config: DeviceConfig  # the effective config; the default when none applies
     cdi_device_id: str
     share: Share | None = None  # a share of the GPU (consumable capacity)
+    vfio: VfioDeviceConfig | None = None  # a passthrough device's effective config
 
 
 @dataclass(frozen=True)
@@ -185,9 +209,21 @@ class ClaimPlan:
         # Two results naming one device (shares of one device) need only one CDI device.
         cdi_devices = list(dict.fromkeys(_cdi_device(device) for device in self.devices))
         try:
-            return claim_spec(self.driver_name, self.claim.ref.uid, cdi_devices, self.common)
+            return claim_spec(self.driver_name, self.claim.ref.uid, cdi_devices, self._spec_common())
         except ValueError as error:
             raise ClaimRejected(f"cannot build the CDI spec for claim {self.claim.ref}: {error}") from None
+
+    @property
+    def passthrough(self) -> tuple[PlannedDevice, ...]:
+        """The passthrough devices: the GPUs to bind to vfio-pci (a claim holds only these, or none)."""
+        return tuple(d for d in self.devices if d.target.passthrough is not None)
+
+    def _spec_common(self) -> CommonEdits:
+        """What every container of the claim gets: for a VM's passthrough devices no driver at all."""
+        if not self.passthrough:
+            return self.common
+        api = any(d.vfio is not None and d.vfio.iommu.enable_api_device for d in self.passthrough)
+        return CommonEdits(device_nodes=(VFIO_CONTAINER,) if api else (), mounts=(), hooks=())
 
 
 def plan_claim(
@@ -199,6 +235,7 @@ def plan_claim(
     partition: PartitionPolicy = partition_all,
     mig_holders: Mapping[str, str] | None = None,
     consumable: bool = False,
+    passthrough: Mapping[str, PassthroughGpu] | None = None,
 ) -> ClaimPlan:
     """Everything preparing ``claim`` means; :class:`ClaimRejected` if any of it is impossible.
 
@@ -206,18 +243,32 @@ def plan_claim(
     get MIG devices created. ``mig_holders`` maps the uuid of every MIG device the driver
     created to the uid of the claim it was created for. ``consumable`` says whether full GPUs
     are published as shareable (``--consumable-capacity``); only then are shares prepared.
+    ``passthrough`` maps the PCI address of each GPU that can be passed through to its details
+    (``--passthrough``; None: off, and ``gpu-vfio-*`` names are refused).
     """
     holders = mig_holders or {}
     targets = {
-        result: _resolve(result, claim.ref.uid, inventory, partition, holders) for result in claim.results
+        result: _resolve(result, claim.ref.uid, inventory, partition, holders, passthrough or {})
+        for result in claim.results
     }
+    vfio_results = [r for r in claim.results if targets[r].passthrough is not None]
+    if vfio_results and len(vfio_results) != len(claim.results):
+        others = ", ".join(r.device for r in claim.results if targets[r].passthrough is None)
+        raise ClaimRejected(
+            f"the claim holds passthrough devices ({', '.join(r.device for r in vfio_results)}) beside "
+            f"{others}: a GPU passed through to a virtual machine shares no claim with devices for "
+            "containers; use two claims"
+        )
     try:
         decoded = [(entry, decode_entry(entry)) for entry in claim.configs]
     except ConfigError as error:
         raise ClaimRejected(str(error)) from None
     _check_config_kinds([(entry, d.config) for entry, d in decoded], claim.results, targets)
-    gpu_results = [r for r in claim.results if not targets[r].is_mig]
+    gpu_results = [r for r in claim.results if not targets[r].is_mig and targets[r].passthrough is None]
     mig_results = [r for r in claim.results if targets[r].is_mig]
+    vfio_configs = winning_configs(
+        vfio_results, [(e, d.config) for e, d in decoded if isinstance(d.config, VfioDeviceConfig)]
+    )
     winners = {
         **winning_configs(gpu_results, [(e, d) for e, d in decoded if isinstance(d.config, GpuConfig)]),
         **winning_configs(mig_results, [(e, d) for e, d in decoded if isinstance(d.config, MigDeviceConfig)]),
@@ -247,6 +298,11 @@ def plan_claim(
             ),
             cdi_device_id=cdi_device_id(driver_name, claim.ref.uid, result.device, result.share_id),
             share=shares.get(result),
+            vfio=vfio_configs[result][1]
+            if result in vfio_configs
+            else DEFAULT_VFIO_CONFIG
+            if result in vfio_results
+            else None,
         )
         for result in claim.results
     )
@@ -323,6 +379,7 @@ def _per_device_limits(
     """
     configs: dict[AllocationResult, DeviceConfig] = {}
     for result, (entry, decoded) in winners.items():
+        assert not isinstance(decoded.config, VfioDeviceConfig)  # winners are of GPUs and MIG devices
         configs[result] = decoded.config
         if not decoded.per_device_pinned_limits:
             continue
@@ -344,7 +401,7 @@ def _per_device_limits(
             if index == position:
                 limit = value
         if limit is not None:
-            configs[result] = _with_pinned_limit(decoded.config, limit)
+            configs[result] = _with_pinned_limit(configs[result], limit)
     return configs
 
 
@@ -362,7 +419,7 @@ def _with_pinned_limit(config: DeviceConfig, limit: str) -> DeviceConfig:
 
 
 def _check_config_kinds(
-    decoded: Sequence[tuple[OpaqueConfig, DeviceConfig]],
+    decoded: Sequence[tuple[OpaqueConfig, AnyConfig]],
     results: Sequence[AllocationResult],
     targets: Mapping[AllocationResult, Target],
 ) -> None:
@@ -386,16 +443,13 @@ def _check_config_kinds(
     for entry, config in decoded:
         if entry.source is not ConfigSource.FROM_CLAIM:
             continue
-        for_mig = isinstance(config, MigDeviceConfig)
         for request in entry.requests:
             served = [r for r in results if r.request == request]
-            if not served or any(targets[r].is_mig == for_mig for r in served):
+            if not served or any(_kind_of(targets[r]) == config.kind for r in served):
                 continue
-            wanted, other, fix = (
-                ("MIG devices", "full GPU", "GpuConfig")
-                if for_mig
-                else ("full GPUs", "MIG device", "MigDeviceConfig")
-            )
+            wanted = _KIND_SERVES[config.kind]
+            kind = _kind_of(targets[served[0]])
+            other, fix = _KIND_SERVES[kind].rstrip("s"), kind
             got = f"{other}{'s' if len(served) > 1 else ''} {', '.join(r.device for r in served)}"
             problems.append(
                 f"{entry.describe()}: {config.kind} applies to {wanted}, but request {request} was "
@@ -405,14 +459,31 @@ def _check_config_kinds(
         raise ClaimRejected("; ".join(problems))
 
 
+_KIND_SERVES = {
+    "GpuConfig": "full GPUs",
+    "MigDeviceConfig": "MIG devices",
+    "VfioDeviceConfig": "passthrough devices",
+}
+
+
+def _kind_of(target: Target) -> str:
+    """The config kind that applies to ``target``."""
+    if target.passthrough is not None:
+        return "VfioDeviceConfig"
+    return "MigDeviceConfig" if target.is_mig else "GpuConfig"
+
+
 def _resolve(
     result: AllocationResult,
     claim_uid: str,
     inventory: Inventory,
     partition: PartitionPolicy,
     mig_holders: Mapping[str, str],
+    passthrough: Mapping[str, PassthroughGpu],
 ) -> Target:
     device = result.device
+    if device.startswith(PASSTHROUGH_PREFIX):
+        return _passthrough_target(result, inventory, passthrough)
     for gpu in inventory.gpus:
         if device == gpu_device_name(gpu.minor):
             if gpu.mig_enabled or gpu.mig_devices:
@@ -442,6 +513,41 @@ def _resolve(
         f"device {device} does not exist on this node (GPUs: {known}); the claim was allocated from a "
         "stale ResourceSlice: delete the pod so the claim is allocated again"
     )
+
+
+def _passthrough_target(
+    result: AllocationResult, inventory: Inventory, passthrough: Mapping[str, PassthroughGpu]
+) -> Target:
+    """The GPU behind ``gpu-vfio-<index>``: on the nvidia driver, MIG mode off, no admin access."""
+    device = result.device
+    place = next((p for p in passthrough.values() if passthrough_device_name(p.index) == device), None)
+    if place is None:
+        reason = (
+            "passthrough is off (--passthrough)"
+            if not passthrough
+            else "no GPU of that index is in an IOMMU group"
+        )
+        raise ClaimRejected(
+            f"device {device} is no passthrough device of this node: {reason}; the claim was allocated from "
+            "a stale ResourceSlice: delete the pod so the claim is allocated again"
+        )
+    if result.admin_access or result.share_id is not None:
+        raise ClaimRejected(
+            f"device {device} is a GPU passed through to a virtual machine, which cannot be shared: request "
+            "it without adminAccess and without capacity"
+        )
+    gpu = next((g for g in inventory.gpus if g.pci_bus_id == place.address), None)
+    if gpu is None:
+        raise ClaimRejected(
+            f"device {device}: GPU {place.address} is not on the nvidia driver (passed through already, or "
+            "taken by an administrator), so it cannot be passed through for this claim"
+        )
+    if gpu.mig_enabled or gpu.mig_devices:
+        raise ClaimRejected(
+            f"device {device}: GPU {gpu_device_name(gpu.minor)} is in MIG mode or has MIG devices, and a "
+            "virtual machine gets the whole GPU; the claim was allocated from a stale ResourceSlice"
+        )
+    return Target(gpu, passthrough=place)
 
 
 def _mig_target(
@@ -501,6 +607,17 @@ def _check_fits(device: PlannedDevice) -> None:
 
 
 def _cdi_device(device: PlannedDevice) -> CdiDevice:
+    place = device.target.passthrough
+    if place is not None:
+        # LegacyOnly and PreferIommuFD both get the group: the IOMMUFD cdev is named only once the
+        # GPU is on vfio-pci, after the plan (docs/passthrough.md).
+        name = device.result.device
+        gpu = gpu_device_name(device.target.gpu.minor)
+        return CdiDevice(
+            name=name,
+            device_nodes=(DeviceNode(f"/dev/vfio/{place.iommu_group}", None, None),),
+            env=((passthrough_env_name(name), f"{gpu},{place.address}"),),
+        )
     env = sharing_env(device.result.device, device.config.sharing)
     if device.result.admin_access:
         env += admin_access_env(device.result.device)
@@ -518,6 +635,11 @@ def _cdi_device(device: PlannedDevice) -> CdiDevice:
 def admin_access_env(device: str) -> tuple[tuple[str, str], ...]:
     """The variable telling a maintenance container that it holds ``device`` with admin access."""
     return ((f"{ADMIN_ACCESS_ENV_PREFIX}{_device_suffix(device)}", "true"),)
+
+
+def passthrough_env_name(device: str) -> str:
+    """The variable naming the GPU and PCI address of passthrough ``device`` (see the module doc)."""
+    return f"{PASSTHROUGH_ENV_PREFIX}{_device_suffix(device)}"
 
 
 def mig_created_env(device: str) -> tuple[tuple[str, str], ...]:
