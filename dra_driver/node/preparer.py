@@ -536,8 +536,14 @@ class NodePreparer:
 
     async def _unbind(self, addresses: Sequence[str]) -> None:
         """Give GPUs back to nvidia, newest first; PciError when one cannot go back (the kubelet retries)."""
+
+        def move(address: str) -> None:
+            crashpoint.reached("vfio.before_unbind")
+            self._backend.pci().bind_nvidia(address)
+            crashpoint.reached("vfio.after_unbind")
+
         for address in reversed(addresses):
-            await asyncio.to_thread(self._backend.pci().bind_nvidia, address)
+            await asyncio.to_thread(move, address)
             log.info("GPU bound back to nvidia", pci_bus_id=address)
         if addresses:
             await self._partitioner.changed()
