@@ -66,6 +66,8 @@ _INVENTORY_SETTINGS = [
     "data_dir",
     "mig_partitions",
     "consumable_capacity",
+    "passthrough",
+    "sysfs_root",
     "log_format",
     "log_level",
 ]

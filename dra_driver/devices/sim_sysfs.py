@@ -30,7 +30,8 @@ FIRST_GROUP = 20  # group numbers as a server has them: the GPUs' come after the
 
 
 def build_tree(root: Path, gpus: Iterable[tuple[str, int]], device_id: int = 0x2330) -> None:
-    """Create the tree for ``gpus`` (PCI address, IOMMU group), each bound to nvidia; keeps an existing one.
+    """Create the tree for ``gpus`` (PCI address, IOMMU group) of PCI device ``device_id``, each bound
+    to nvidia (more with :func:`add_function`); keeps an existing one.
 
     A tree that exists is the state of a running node (a GPU may be on vfio-pci): it is left
     as it is, as a reboot is the only thing that resets a node's bindings.

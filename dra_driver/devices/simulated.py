@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shutil
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -42,7 +43,7 @@ from dra_driver.devices.catalog import GpuModel
 from dra_driver.devices.pci import NVIDIA, PciBus
 from dra_driver.devices.sim_nodes import NVIDIA_MAJOR, NodeProfile, node_gpus, node_profile, profile_fabric
 from dra_driver.devices.sim_state import SimGpu, SimMigDevice, SimState, StateFile
-from dra_driver.devices.sim_sysfs import FIRST_GROUP, SimulatedKernel, build_tree
+from dra_driver.devices.sim_sysfs import FIRST_GROUP, SimulatedKernel, add_function, build_tree
 from dra_driver.devices.types import (
     ComputeMode,
     ComputePolicy,
@@ -147,13 +148,8 @@ class SimulatedBackend:
 
     def inventory(self) -> Inventory:
         state = self._reading()
-        pci = self.pci()
         return Inventory(
-            gpus=tuple(
-                self._gpu_now(gpu, model, state)
-                for gpu, model in self._gpus
-                if pci.driver(gpu.pci_bus_id) == NVIDIA
-            ),
+            gpus=tuple(self._gpu_now(gpu, model, state) for gpu, model in self._gpus if self._on_nvidia(gpu)),
             driver_version=DRIVER_VERSION,
             cuda_driver_version=CUDA_DRIVER_VERSION,
             control_nodes=CONTROL_NODES,
@@ -231,18 +227,44 @@ class SimulatedBackend:
         return 1 if sim is not None and sim.busy else 0
 
     def pci(self) -> PciBus:
-        if self._pci is None:
-            gpus = [(gpu.pci_bus_id, FIRST_GROUP + gpu.index) for gpu, _ in self._gpus]
+        """The simulated GPUs' sysfs tree: made at the first use, and afresh after a reboot."""
+        boot_id = self._boot_id()
+        if _read(self._sysfs_boot) != boot_id:  # none yet, or of an earlier boot: all on nvidia again
+            self._pci = None
             try:
-                build_tree(self.sysfs_root, gpus)
+                shutil.rmtree(self.sysfs_root, ignore_errors=True)
+                build_tree(self.sysfs_root, ())
+                for gpu, _ in self._gpus:
+                    add_function(
+                        self.sysfs_root,
+                        gpu.pci_bus_id,
+                        FIRST_GROUP + gpu.index,
+                        NVIDIA,
+                        device_id=gpu.pci_device_id,
+                    )
+                self._sysfs_boot.write_text(boot_id)
             except OSError as error:
                 raise DeviceError(
                     f"cannot make the simulated GPUs' sysfs tree in {self.sysfs_root}: {error}; point "
                     "--sysfs-root or --data-dir at a writable directory"
                 ) from None
+        if self._pci is None:
             self.kernel = SimulatedKernel(self.sysfs_root)
             self._pci = PciBus(self.sysfs_root, self.kernel.write)
         return self._pci
+
+    @property
+    def _sysfs_boot(self) -> Path:
+        return self.sysfs_root / ".simulated-boot-id"  # no kernel file: the boot the bindings are of
+
+    def _on_nvidia(self, gpu: Gpu) -> bool:
+        """Whether NVML sees the GPU: bound to nvidia, as every GPU is until the tree says otherwise.
+
+        Only reads: a tree of another boot (or none) means every GPU is on nvidia.
+        """
+        if _read(self._sysfs_boot) != self._boot_id():
+            return True
+        return PciBus(self.sysfs_root).driver(gpu.pci_bus_id) == NVIDIA
 
     def close(self) -> None:
         """Nothing to release: all state is in the file."""
@@ -443,3 +465,10 @@ class SimulatedBackend:
             mig_enabled=sim.mig_enabled,
             mig_devices=tuple(self._mig_device(gpu, model, d) for d in sim.mig_devices),
         )
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return None

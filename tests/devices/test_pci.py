@@ -135,3 +135,15 @@ def test_a_simulated_gpu_on_vfio_pci_is_gone_from_nvmls_view_until_it_is_back(tm
     assert len(node.inventory().gpus) == 7
     node.pci().bind_nvidia(gpu.pci_bus_id)
     assert gpu in node.inventory().gpus
+
+
+def test_a_reboot_puts_every_simulated_gpu_back_on_nvidia(tmp_path: Path) -> None:
+    boot = tmp_path / "boot_id"
+    boot.write_text("one\n")
+    node = SimulatedBackend("dgx-h100", "node-a", tmp_path / "sim", boot_id_path=boot)
+    address = node.inventory().gpus[0].pci_bus_id
+    node.pci().bind_vfio(address)
+    assert len(node.inventory().gpus) == 7
+    boot.write_text("two\n")
+    assert len(node.inventory().gpus) == 8
+    assert node.pci().driver(address) == NVIDIA

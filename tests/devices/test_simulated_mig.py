@@ -358,5 +358,4 @@ def test_the_state_file_is_plain_json(tmp_path, node):
     assert sorted(p.name for p in (tmp_path / "state").iterdir()) == [
         "simulated-gpus.json",
         "simulated-gpus.json.lock",
-        "sysfs",  # the GPUs' sysfs tree (dra_driver.devices.sim_sysfs)
     ]
