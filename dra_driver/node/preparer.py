@@ -470,12 +470,14 @@ class NodePreparer:
         record = reserved
         created: list[tuple[str, MigDevice]] = []  # by this attempt, oldest first
         recorded = 0  # how many of them the record on disk names
-        bound: list[str] = []  # PCI addresses this attempt moved to vfio-pci
+        # PCI addresses of the GPUs this attempt moves to vfio-pci, each listed before its move: a
+        # move whose rollback failed too leaves its GPU unbound, and the undo tries nvidia again.
+        bound: list[str] = []
         try:
             for device in plan.passthrough:
-                await self._pass_through(device)
                 assert device.target.passthrough is not None
                 bound.append(device.target.passthrough.address)
+                await self._pass_through(device)
             if bound:
                 await self._partitioner.changed()  # the GPUs left NVML's view: republish
             for name, (gpu, placement) in plan.to_create.items():

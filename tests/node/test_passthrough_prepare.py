@@ -246,3 +246,14 @@ async def test_a_retry_after_a_crash_on_vfio_pci_starts_from_nvidia_again(node: 
     assert node.specs.path_for(vm.uid).exists()
     assert (await second.unprepare([vm]))[vm.uid] is None
     on_nvidia_and_unclaimed(node, vm)
+
+
+async def test_when_the_rollback_fails_too_the_undo_binds_the_gpu_back(node: Node) -> None:
+    preparer = await started(node)
+    vm = new_ref("vm")
+    node.allocate(vm, vfio_name(node, 0))
+    kernel(node).fail("driver_override", errno.EIO)  # the move's override write ...
+    kernel(node).fail("bind", errno.ENODEV)  # ... and the rollback's bind to nvidia
+
+    assert "rolling back to nvidia failed too" in refused(await prepare(preparer, vm))
+    on_nvidia_and_unclaimed(node, vm)  # the failed prepare's undo bound it
