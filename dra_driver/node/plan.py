@@ -23,7 +23,10 @@ vfio-pci. Its CDI device gives ``/dev/vfio/<group>`` (numbers left to the runtim
 picks them when the group appears) and announces ``DRA_GPU_PASSTHROUGH_<DEVICE>=<gpu>,<address>``,
 which tells recovery which GPU to bind back should the store be lost. The claim's spec then holds
 no driver files, hooks or control nodes (the VM's process gets no NVIDIA driver); with
-``iommu.enableAPIDevice`` it gets ``/dev/vfio/vfio``. A claim holds passthrough devices only,
+``iommu.enableAPIDevice`` it gets ``/dev/vfio/vfio``. Under ``PreferIommuFD`` on a kernel with
+IOMMUFD the device is its cdev ``/dev/vfio/devices/vfio<N>`` and the API device ``/dev/iommu``;
+the cdev is named once the GPU is on vfio-pci, so such a plan's spec is complete after
+:meth:`ClaimPlan.with_cdev`. A claim holds passthrough devices only,
 as NVIDIA's driver has it: a VM and a CUDA container do not share a claim.
 
 A result with a ``shareID`` is a share of a full GPU published with consumable capacity
@@ -173,6 +176,18 @@ class PlannedDevice:
     cdi_device_id: str
     share: Share | None = None  # a share of the GPU (consumable capacity)
     vfio: VfioDeviceConfig | None = None  # a passthrough device's effective config
+    cdev: str | None = None  # its IOMMUFD cdev (/dev/vfio/devices/vfio<N>), once the GPU is on vfio-pci
+
+    @property
+    def iommufd(self) -> bool:
+        """Whether the container gets the IOMMUFD cdev: PreferIommuFD, on a kernel that has IOMMUFD."""
+        place = self.target.passthrough
+        return (
+            place is not None
+            and place.iommufd
+            and self.vfio is not None
+            and self.vfio.iommu.backend_policy == "PreferIommuFD"
+        )
 
 
 @dataclass(frozen=True)
@@ -201,11 +216,23 @@ class ClaimPlan:
             ),
         )
 
+    @property
+    def to_bind(self) -> tuple[str, ...]:
+        """Passthrough devices whose IOMMUFD cdev is named only once their GPU is on vfio-pci."""
+        return tuple(d.result.device for d in self.devices if d.iommufd and d.cdev is None)
+
+    def with_cdev(self, device: str, cdev: str) -> ClaimPlan:
+        """This plan once the GPU of passthrough ``device`` is on vfio-pci with ``cdev``."""
+        return replace(
+            self,
+            devices=tuple(replace(d, cdev=cdev) if d.result.device == device else d for d in self.devices),
+        )
+
     @cached_property
     def cdi_spec(self) -> dict[str, Any]:
-        """The claim's CDI spec; ValueError while a MIG device is still to be created."""
-        if self.to_create:
-            raise ValueError(f"MIG devices {', '.join(self.to_create)} are not created yet")
+        """The claim's CDI spec; ValueError while a MIG device is still to be created or a GPU bound."""
+        if self.to_create or self.to_bind:
+            raise ValueError(f"devices {', '.join((*self.to_create, *self.to_bind))} are not ready yet")
         # Two results naming one device (shares of one device) need only one CDI device.
         cdi_devices = list(dict.fromkeys(_cdi_device(device) for device in self.devices))
         try:
@@ -223,7 +250,8 @@ class ClaimPlan:
         if not self.passthrough:
             return self.common
         api = any(d.vfio is not None and d.vfio.iommu.enable_api_device for d in self.passthrough)
-        return CommonEdits(device_nodes=(VFIO_CONTAINER,) if api else (), mounts=(), hooks=())
+        nodes = (IOMMU_DEVICE if any(d.iommufd for d in self.passthrough) else VFIO_CONTAINER,) if api else ()
+        return CommonEdits(device_nodes=nodes, mounts=(), hooks=())
 
 
 def plan_claim(
@@ -309,7 +337,7 @@ def plan_claim(
     for device in devices:
         _check_fits(device)
     plan = ClaimPlan(claim=claim, devices=devices, driver_name=driver_name, common=common)
-    if not plan.to_create:
+    if not plan.to_create and not plan.to_bind:
         plan.cdi_spec  # noqa: B018 -- built now, so that a spec no runtime would accept rejects the claim
     return plan
 
@@ -609,13 +637,12 @@ def _check_fits(device: PlannedDevice) -> None:
 def _cdi_device(device: PlannedDevice) -> CdiDevice:
     place = device.target.passthrough
     if place is not None:
-        # LegacyOnly and PreferIommuFD both get the group: the IOMMUFD cdev is named only once the
-        # GPU is on vfio-pci, after the plan (docs/passthrough.md).
         name = device.result.device
         gpu = gpu_device_name(device.target.gpu.minor)
+        path = device.cdev if device.iommufd and device.cdev else f"/dev/vfio/{place.iommu_group}"
         return CdiDevice(
             name=name,
-            device_nodes=(DeviceNode(f"/dev/vfio/{place.iommu_group}", None, None),),
+            device_nodes=(DeviceNode(path, None, None),),
             env=((passthrough_env_name(name), f"{gpu},{place.address}"),),
         )
     env = sharing_env(device.result.device, device.config.sharing)

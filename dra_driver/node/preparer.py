@@ -477,7 +477,9 @@ class NodePreparer:
             for device in plan.passthrough:
                 assert device.target.passthrough is not None
                 bound.append(device.target.passthrough.address)
-                await self._pass_through(device)
+                cdev = await self._pass_through(device)
+                if device.iommufd:
+                    plan = plan.with_cdev(device.result.device, cdev)
             if bound:
                 await self._partitioner.changed()  # the GPUs left NVML's view: republish
             for name, (gpu, placement) in plan.to_create.items():
@@ -506,13 +508,14 @@ class NodePreparer:
             raise
         return completed
 
-    async def _pass_through(self, device: PlannedDevice) -> None:
-        """Check that the GPU is idle and alone in use in its IOMMU group, then move it to vfio-pci."""
+    async def _pass_through(self, device: PlannedDevice) -> str:
+        """Check that the GPU is idle and alone in use in its IOMMU group, then move it to vfio-pci;
+        the path of its IOMMUFD cdev where the kernel has one, else ""."""
         gpu, place = device.target.gpu, device.target.passthrough
         assert place is not None
         name = device.result.device
 
-        def move() -> None:
+        def move() -> str:
             processes = self._backend.processes(gpu.uuid)
             if processes:
                 raise ClaimRejected(
@@ -530,11 +533,16 @@ class NodePreparer:
             crashpoint.reached("vfio.before_bind")
             self._backend.pci().bind_vfio(place.address)
             crashpoint.reached("vfio.after_bind")
+            cdev = self._backend.pci().vfio_cdev(place.address)
+            if device.iommufd and cdev is None:
+                raise PciError(f"GPU {place.address} is on vfio-pci but has no IOMMUFD cdev (vfio-dev)")
+            return cdev.path if cdev else ""
 
-        await asyncio.to_thread(move)
+        cdev = await asyncio.to_thread(move)
         log.info(
             "GPU bound to vfio-pci", device=name, pci_bus_id=place.address, iommu_group=place.iommu_group
         )
+        return cdev
 
     async def _unbind(self, addresses: Sequence[str]) -> None:
         """Give GPUs back to nvidia, newest first; PciError when one cannot go back (the kubelet retries)."""

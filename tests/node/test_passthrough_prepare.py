@@ -257,3 +257,27 @@ async def test_when_the_rollback_fails_too_the_undo_binds_the_gpu_back(node: Nod
 
     assert "rolling back to nvidia failed too" in refused(await prepare(preparer, vm))
     on_nvidia_and_unclaimed(node, vm)  # the failed prepare's undo bound it
+
+
+@pytest.mark.parametrize("policy", ["PreferIommuFD", "LegacyOnly"])
+async def test_under_iommufd_prefer_iommufd_gets_the_cdev_and_dev_iommu(node: Node, policy: str) -> None:
+    place_of(node, 0)
+    (bus(node).root / "class/misc/iommu").mkdir(parents=True)  # the kernel has IOMMUFD
+    preparer = await started(node)
+    vm = new_ref("vm")
+    node.allocate(vm, vfio_name(node, 0), configs=[vfio_config(backendPolicy=policy, enableAPIDevice=True)])
+
+    assert not isinstance(await prepare(preparer, vm), ClaimError)
+
+    written = spec(node, vm)
+    (device,) = written["devices"]
+    cdev = bus(node).vfio_cdev(place_of(node, 0).address)
+    assert cdev is not None
+    if policy == "PreferIommuFD":
+        assert device["containerEdits"]["deviceNodes"] == [{"path": cdev.path}]
+        assert written["containerEdits"]["deviceNodes"] == [{"path": "/dev/iommu"}]
+    else:
+        assert device["containerEdits"]["deviceNodes"] == [
+            {"path": f"/dev/vfio/{place_of(node, 0).iommu_group}"}
+        ]
+        assert written["containerEdits"]["deviceNodes"][0]["path"] == "/dev/vfio/vfio"
