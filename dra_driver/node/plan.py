@@ -109,6 +109,7 @@ from dra_driver.node.config import (
 from dra_driver.node.shares import Share, pooled, share_config, share_of
 from dra_driver.resources.devices import PartitionPolicy, offers_partitions, partition_all
 from dra_driver.resources.naming import (
+    PASSTHROUGH_PREFIX,
     gpu_device_name,
     maintenance_device_name,
     mig_device_name,
@@ -118,7 +119,6 @@ from dra_driver.resources.naming import (
 ADMIN_ACCESS_ENV_PREFIX = "DRA_GPU_ADMIN_ACCESS_"
 MIG_CREATED_ENV_PREFIX = "DRA_GPU_MIG_CREATED_"
 PASSTHROUGH_ENV_PREFIX = "DRA_GPU_PASSTHROUGH_"
-PASSTHROUGH_PREFIX = "gpu-vfio-"
 VFIO_CONTAINER = DeviceNode("/dev/vfio/vfio", 10, 196)  # a misc device: its numbers are fixed
 IOMMU_DEVICE = DeviceNode("/dev/iommu", None, None)  # a misc device with a dynamic minor
 
@@ -294,9 +294,10 @@ def plan_claim(
     _check_config_kinds([(entry, d.config) for entry, d in decoded], claim.results, targets)
     gpu_results = [r for r in claim.results if not targets[r].is_mig and targets[r].passthrough is None]
     mig_results = [r for r in claim.results if targets[r].is_mig]
-    vfio_configs = winning_configs(
+    chosen = winning_configs(
         vfio_results, [(e, d.config) for e, d in decoded if isinstance(d.config, VfioDeviceConfig)]
     )
+    vfio_configs = {r: chosen[r][1] if r in chosen else DEFAULT_VFIO_CONFIG for r in vfio_results}
     winners = {
         **winning_configs(gpu_results, [(e, d) for e, d in decoded if isinstance(d.config, GpuConfig)]),
         **winning_configs(mig_results, [(e, d) for e, d in decoded if isinstance(d.config, MigDeviceConfig)]),
@@ -326,11 +327,7 @@ def plan_claim(
             ),
             cdi_device_id=cdi_device_id(driver_name, claim.ref.uid, result.device, result.share_id),
             share=shares.get(result),
-            vfio=vfio_configs[result][1]
-            if result in vfio_configs
-            else DEFAULT_VFIO_CONFIG
-            if result in vfio_results
-            else None,
+            vfio=vfio_configs.get(result),
         )
         for result in claim.results
     )

@@ -58,6 +58,7 @@ import structlog
 
 from dra_driver import crashpoint
 from dra_driver.node.records import ClaimRecord, DeviceRecord, MigRecord, NodeState, describe
+from dra_driver.resources.naming import PASSTHROUGH_PREFIX
 
 log = structlog.get_logger(__name__)
 
@@ -350,7 +351,6 @@ def _holder(db: sqlite3.Connection, uid: str) -> str:
     return describe(uid, record) if record else uid
 
 
-_PASSTHROUGH_PREFIX = "gpu-vfio-"
 _STALE = "The scheduler allocated it from a stale ResourceSlice: the kubelet retries"
 
 
@@ -360,7 +360,7 @@ def _conflict(device: DeviceRecord, gpu: str, theirs: str, holder: str) -> str:
             f"GPU {gpu} cannot be passed through ({device.device}): claim {holder} holds {theirs} on it. "
             f"{_STALE}, and the GPU is free once that claim is unprepared"
         )
-    if theirs.startswith(_PASSTHROUGH_PREFIX) and theirs != device.device:
+    if theirs.startswith(PASSTHROUGH_PREFIX) and theirs != device.device:
         return (
             f"device {device.device} cannot be prepared: its GPU {gpu} is passed through to a virtual "
             f"machine ({theirs}) for claim {holder}. {_STALE}, and the GPU is free once that claim is "
