@@ -534,12 +534,14 @@ OTHER_DRIVERS_CLASSES = {"nic.example.com"}
 
 def test_examples_use_the_device_classes_the_chart_installs(helm: Path) -> None:
     ours = {m["metadata"]["name"]: m for m in of_kind(render(helm), "DeviceClass")}
-    # What examples/nvidia/ are written for: NVIDIA's names, and nvidia.com/gpu as NVIDIA's chart sets it.
+    # What examples/nvidia/ are written for: NVIDIA's names, nvidia.com/gpu as NVIDIA's chart sets it,
+    # and its PassthroughSupport gate (passthrough.yaml).
     as_nvidia = render(
         helm,
         {
             "driverName": "gpu.nvidia.com",
             "deviceClasses": {"gpu": {"extendedResourceName": "nvidia.com/gpu"}},
+            "featureGates": {"PassthroughSupport": True},
         },
     )
     nvidias = {m["metadata"]["name"]: m for m in of_kind(as_nvidia, "DeviceClass")}
