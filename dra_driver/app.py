@@ -33,6 +33,7 @@ from dra_driver.devices.driver_root import (
 )
 from dra_driver.devices.faults import FaultKind, NodeFaults
 from dra_driver.devices.health import HealthSource, open_health_source
+from dra_driver.devices.pci import PassthroughGpu
 from dra_driver.devices.simulated import STATE_FILE_NAME
 from dra_driver.devices.types import HealthState, Inventory
 from dra_driver.errors import StartupError
@@ -113,12 +114,14 @@ def desired_slices(
     owned_mig_uuids: Collection[str] = frozenset(),
     taints: Mapping[str, Sequence[DeviceTaint]] | None = None,
     rules: ServerRules = NEWEST,
+    passthrough: Mapping[str, PassthroughGpu] | None = None,
 ) -> list[SliceContent]:
     """What the pool should contain for ``inventory``: the one rule shared by daemon and CLI.
 
     ``owned_mig_uuids`` are the MIG devices the driver created for claims; they stay published
     as the placements they were created from. ``taints`` are those of faulty GPUs' devices.
-    ``rules`` are the API server's release's (the slice layout differs on 1.34).
+    ``rules`` are the API server's release's (the slice layout differs on 1.34). ``passthrough``
+    (read from sysfs when ``--passthrough`` is on) gives the GPUs that can be passed through.
     """
     policy = partition_policy(settings.mig_partitions, settings.driver_name)
     return split_pool(
@@ -129,6 +132,7 @@ def desired_slices(
             taints=taints,
             maintenance=settings.maintenance_devices,
             consumable=settings.consumable_capacity,
+            passthrough=passthrough,
         ),
         counters_beside_devices=rules.counters_beside_devices,
     )
@@ -409,6 +413,7 @@ async def serve_node(settings: Settings, kubelet: KubeletFront, stop: asyncio.Ev
             settings.state_dir,
             settings.node_name,
             driver_root=settings.driver_root_mount or settings.driver_root,
+            sysfs_root=settings.sysfs_root or Path("/sys"),
             procfs_root=settings.procfs_root,
             simulated_fabric=settings.simulate_fabric,
         )
@@ -494,13 +499,15 @@ async def _serve(
     )
 
     labeller = NodeLabeller(api, settings.node_name) if settings.node_labels else None
+    # Which GPUs can be passed through, and their indexes: fixed until a reboot, so read once.
+    passthrough = await asyncio.to_thread(backend.pci().passthrough_gpus) if settings.passthrough else None
 
     def publish(latest: Inventory) -> None:
         preparer.remember_orphans()  # the read destroyed some, or a failed rollback left one
         if labeller is not None:
             labeller.set_desired(node_labels(settings, latest, gpu_health.faults))
         taints = device_taints(latest, gpu_health.tainted, policy)
-        slices = desired_slices(settings, latest, preparer.owned_mig_uuids(), taints, rules)
+        slices = desired_slices(settings, latest, preparer.owned_mig_uuids(), taints, rules, passthrough)
         publisher.set_desired(slices)
         names = [d["name"] for s in slices for d in s.devices]
         health.set_devices(settings.node_name, names)
@@ -552,6 +559,7 @@ async def _serve(
         metadata=MetadataFiles(settings.plugins_dir / settings.driver_name)
         if settings.device_metadata
         else None,
+        passthrough=passthrough,
     )
     trimmer = HeapTrimmer(lambda: preparer.busy)  # a burst's freed memory goes back to the kernel
     await preparer.start()  # before publishing: it knows which MIG devices are the driver's own

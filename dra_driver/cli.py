@@ -66,6 +66,8 @@ _INVENTORY_SETTINGS = [
     "data_dir",
     "mig_partitions",
     "consumable_capacity",
+    "passthrough",
+    "sysfs_root",
     "log_format",
     "log_level",
 ]
@@ -307,15 +309,18 @@ def _inventory(args: argparse.Namespace) -> int:
             data_dir,
             node,
             driver_root=settings.driver_root_mount or settings.driver_root,  # NVML from there, as the daemon
+            sysfs_root=settings.sysfs_root or Path("/sys"),
             procfs_root=settings.procfs_root,
         )
         try:
             inventory = backend.inventory()
+            passthrough = backend.pci().passthrough_gpus() if settings.passthrough else None
         finally:
             backend.close()
     check_mig_partitions(settings, inventory)
     owner = PoolOwner(driver=settings.driver_name, node_name=node)
-    plan = plan_pool(desired_slices(settings, inventory, rules=rules), [], owner=owner)
+    slices = desired_slices(settings, inventory, rules=rules, passthrough=passthrough)
+    plan = plan_pool(slices, [], owner=owner)
     source = f"simulated {settings.simulate}" if settings.simulate else "NVML"
     cuda = ".".join(map(str, inventory.cuda_driver_version))
     versions = f"driver {inventory.driver_version}, CUDA {cuda}"

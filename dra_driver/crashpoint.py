@@ -34,6 +34,10 @@ POINTS = (
     "mig.after_create",  # the MIG device exists; the store does not name it yet
     "mig.before_destroy",
     "mig.after_destroy",
+    "vfio.before_bind",  # a passthrough GPU checked idle, still on nvidia
+    "vfio.after_bind",  # the GPU is on vfio-pci; the spec does not exist yet
+    "vfio.before_unbind",
+    "vfio.after_unbind",  # the GPU is back on nvidia; its claim's spec and record remain
 )
 
 

@@ -232,6 +232,22 @@ class Settings(BaseModel):
             "/var/run/kubernetes.io/dra-device-attributes/... (docs/device-metadata.md)."
         ),
     ] = False
+    passthrough: Annotated[
+        bool,
+        Field(
+            description="Publish a passthrough device gpu-vfio-<index> per GPU in an IOMMU group (MIG mode "
+            "off), NVIDIA's type vfio, allocatable instead of the GPU: prepare binds the GPU to vfio-pci and "
+            "gives the container /dev/vfio/<group> for a virtual machine (NVIDIA's PassthroughSupport; "
+            "docs/passthrough.md)."
+        ),
+    ] = False
+    sysfs_root: Annotated[
+        Path | None,
+        Field(
+            description="Where the kernel's /sys is: the GPUs' PCI details are read there, and passthrough "
+            "binds GPUs to vfio-pci there. Unset: /sys; with --simulate, a simulated tree in the data dir."
+        ),
+    ] = None
     node_labels: Annotated[
         bool,
         Field(
@@ -343,7 +359,7 @@ class Settings(BaseModel):
             )
         return value
 
-    @field_validator("kubeconfig", "data_dir", "driver_root_mount", mode="before")
+    @field_validator("kubeconfig", "data_dir", "driver_root_mount", "sysfs_root", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         # A Helm template or a shell renders an unset value as "": that means the default, not ".".

@@ -170,29 +170,6 @@ def test_a_device_plugin_era_pod_gets_a_gpu_through_nvidias_class(
     delete_pod(rest, namespace, "asks-extended-resource")
 
 
-def test_vfio_passthrough_is_refused_with_the_reason(rest: RestClient, node: GpuNode, namespace: str) -> None:
-    objects = claim_and_pod("vfio", "gpu.nvidia.com", None, node.name)
-    objects[0]["spec"]["devices"]["config"] = [
-        {
-            "opaque": {
-                "driver": NVIDIA_DRIVER_NAME,
-                "parameters": {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "VfioDeviceConfig"},
-            }
-        }
-    ]
-    manifests.apply(rest, objects, namespace)
-
-    events = f"/api/v1/namespaces/{namespace}/events"
-    selector = "involvedObject.kind=Pod,involvedObject.name=vfio,reason=FailedPrepareDynamicResources"
-
-    def failure() -> str | None:
-        items: list[JsonObject] = rest.request("GET", events, query={"fieldSelector": selector})["items"]
-        return str(items[0]["message"]) if items else None
-
-    message = wait_until(failure, timeout_seconds=60, waiting_for="a FailedPrepareDynamicResources event")
-    assert "kind: VfioDeviceConfig of resource.nvidia.com/v1beta1: VFIO passthrough" in message
-
-
 @pytest.fixture(scope="module")
 def default_node(
     cluster: ClusterInfo,

@@ -122,12 +122,12 @@ def test_valid_configs_of_both_apis_are_accepted(rest: RestClient, checked_names
 def test_nvidias_unsupported_kinds_are_refused_with_the_reason(
     rest: RestClient, checked_namespace: str
 ) -> None:
-    vfio = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "VfioDeviceConfig"}
+    channel = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "ComputeDomainChannelConfig"}
     template = {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaimTemplate",
-        "metadata": {"name": "vfio"},
-        "spec": {"spec": claim("x", vfio)["spec"]},
+        "metadata": {"name": "channel"},
+        "spec": {"spec": claim("x", channel)["spec"]},
     }
     error = wait_until(
         lambda: create_when_enforced(rest, checked_namespace, template),
@@ -135,4 +135,4 @@ def test_nvidias_unsupported_kinds_are_refused_with_the_reason(
         waiting_for="the webhook to refuse the template",
     )
     assert error.status == 422
-    assert "VFIO passthrough (NVIDIA's PassthroughSupport feature) is not supported" in error.message
+    assert "ComputeDomains (IMEX channels) are served by the compute-domain driver" in error.message

@@ -548,12 +548,14 @@ OTHER_DRIVERS_CLASSES = {"nic.example.com"}
 
 def test_examples_use_the_device_classes_the_chart_installs(helm: Path) -> None:
     ours = {m["metadata"]["name"]: m for m in of_kind(render(helm), "DeviceClass")}
-    # What examples/nvidia/ are written for: NVIDIA's names, and nvidia.com/gpu as NVIDIA's chart sets it.
+    # What examples/nvidia/ are written for: NVIDIA's names, nvidia.com/gpu as NVIDIA's chart sets it,
+    # and its PassthroughSupport gate (passthrough.yaml).
     as_nvidia = render(
         helm,
         {
             "driverName": "gpu.nvidia.com",
             "deviceClasses": {"gpu": {"extendedResourceName": "nvidia.com/gpu"}},
+            "featureGates": {"PassthroughSupport": True},
         },
     )
     nvidias = {m["metadata"]["name"]: m for m in of_kind(as_nvidia, "DeviceClass")}
@@ -739,9 +741,24 @@ def test_switching_off_what_the_driver_always_does_is_refused_with_the_reason(he
     assert f"featureGates.{gate}=false: this driver always serves" in error
 
 
-def test_passthrough_is_refused_with_the_reason(helm: Path) -> None:
-    error = render_error(helm, {"featureGates": {"PassthroughSupport": True}})
-    assert "featureGates.PassthroughSupport=true: VFIO passthrough is not supported" in error
+@pytest.mark.parametrize("enabled", [True, False])
+def test_nvidias_passthrough_gate_sets_passthrough_and_brings_nvidias_class(
+    helm: Path, enabled: bool
+) -> None:
+    as_nvidia = {"driverName": "gpu.nvidia.com"}
+    by_gate = render(
+        helm, {**as_nvidia, "passthrough": not enabled, "featureGates": {"PassthroughSupport": enabled}}
+    )
+
+    assert by_gate == render(helm, {**as_nvidia, "passthrough": enabled})
+    assert plugin_env(by_gate)["DRA_PASSTHROUGH"]["value"] == str(enabled).lower()
+    classes = {c["metadata"]["name"]: c for c in of_kind(by_gate, "DeviceClass")}
+    assert ("vfio.gpu.nvidia.com" in classes) is enabled
+    if enabled:
+        (selector,) = classes["vfio.gpu.nvidia.com"]["spec"]["selectors"]
+        assert selector["cel"]["expression"] == (
+            'device.driver == "gpu.nvidia.com" && device.attributes["gpu.nvidia.com"].type == "vfio"'
+        )
 
 
 def test_nvidias_dns_names_gate_wins_over_its_value_and_reaches_the_controller(helm: Path) -> None:

@@ -302,7 +302,8 @@ def _device_node(node: DeviceNode) -> dict[str, Any]:
     entry: dict[str, Any] = {"path": node.path}
     if node.host_path and node.host_path != node.path:
         entry["hostPath"] = node.host_path
-    entry.update(type="c", major=node.major, minor=node.minor)
+    if node.major is not None and node.minor is not None:
+        entry.update(type="c", major=node.major, minor=node.minor)
     return entry
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
+from dra_driver.devices.pci import PciBus
 from dra_driver.devices.types import ComputePolicy, Inventory, MigDevice, OrphanedGpuInstance, Placement
 
 
@@ -61,6 +62,13 @@ class Backend(Protocol):
     def adopt_orphaned_gpu_instances(self, orphans: Iterable[OrphanedGpuInstance]) -> None:
         """Those an earlier run of the driver left (as the node remembered them): kept off the
         inventory's devices, and destroyed now or at an inventory read once NVML lets them go."""
+
+    def processes(self, gpu_uuid: str) -> int:
+        """How many processes use the full GPU now (compute and graphics): passthrough needs none."""
+        ...
+
+    def pci(self) -> PciBus:
+        """The node's PCI bus, where a GPU is moved to vfio-pci for passthrough and back."""
         ...
 
     def close(self) -> None:

@@ -27,7 +27,11 @@ def open_backend(
     Raises DeviceError when the profile is unknown or NVML cannot start.
     """
     if simulate:
-        return SimulatedBackend(simulate, node_name, data_dir, fabric=simulated_fabric)
+        # The simulated GPUs' sysfs tree is theirs alone: under the data dir unless a root is given.
+        simulated_sysfs = None if sysfs_root == Path("/sys") else sysfs_root
+        return SimulatedBackend(
+            simulate, node_name, data_dir, fabric=simulated_fabric, sysfs_root=simulated_sysfs
+        )
     if driver_root is not None and dev_root == Path("/") and (driver_root / "dev" / "nvidiactl").exists():
         # A driver container that creates the device nodes in its own root (as NVIDIA's toolkit
         # decides its "dev root": the driver root when it holds /dev/nvidiactl, else /).

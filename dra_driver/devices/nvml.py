@@ -61,6 +61,7 @@ from dra_driver.devices.naming import (
 )
 from dra_driver.devices.nvcaps import caps_major, ensure_node, read_capability
 from dra_driver.devices.nvml_policy import NvmlComputePolicy
+from dra_driver.devices.pci import PciBus
 from dra_driver.devices.topology import NVSWITCH_WITHOUT_ADDRESS
 from dra_driver.devices.types import (
     ComputePolicy,
@@ -263,6 +264,21 @@ class NvmlBackend:
             f"setting the compute policy of GPU {gpu_uuid}",
             lambda: self._policy.set(self._handle(gpu_uuid), gpu_uuid, policy),
         )
+
+    def processes(self, gpu_uuid: str) -> int:
+        def count() -> int:
+            handle = self._handle(gpu_uuid)
+            compute = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            graphics = pynvml.nvmlDeviceGetGraphicsRunningProcesses(handle)
+            return len({p.pid for p in (*compute, *graphics)})
+
+        try:
+            return self._bounded(f"reading the processes on GPU {gpu_uuid}", count)
+        except pynvml.NVMLError as e:
+            raise DeviceError(f"cannot read the processes on GPU {gpu_uuid}: {e}") from None
+
+    def pci(self) -> PciBus:
+        return PciBus(self._sysfs_root)
 
     def _check_writable(self, action: str) -> None:
         if self._read_only:

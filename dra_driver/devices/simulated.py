@@ -12,6 +12,8 @@ real GPU. The rules come from NVML and the MIG user guide
   reset, which only an administrator can do (:meth:`SimulatedBackend.admin_set_mig_mode`);
 * MIG mode cannot be switched on while processes use the full GPU, and a MIG
   device with processes attached cannot be destroyed (:meth:`SimulatedBackend.set_busy`);
+* a GPU bound to vfio-pci for passthrough (in the simulated sysfs tree,
+  :mod:`dra_driver.devices.sim_sysfs`) is gone from NVML's view, as on a node;
 * a reboot (a new boot id) destroys every MIG device, clears faults and
   "in use" marks, and switches MIG mode off except on Ampere, which keeps it
   in the InfoROM.
@@ -31,14 +33,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shutil
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from dra_driver.devices.backend import DeviceError, DeviceInUseError, PlacementUnavailableError
 from dra_driver.devices.catalog import GpuModel
+from dra_driver.devices.pci import NVIDIA, PciBus
 from dra_driver.devices.sim_nodes import NVIDIA_MAJOR, NodeProfile, node_gpus, node_profile, profile_fabric
 from dra_driver.devices.sim_state import SimGpu, SimMigDevice, SimState, StateFile
+from dra_driver.devices.sim_sysfs import FIRST_GROUP, SimulatedKernel, add_function, build_tree
 from dra_driver.devices.types import (
     ComputeMode,
     ComputePolicy,
@@ -127,20 +132,25 @@ class SimulatedBackend:
         *,
         boot_id_path: Path = DEFAULT_BOOT_ID_PATH,
         fabric: str = "",
+        sysfs_root: Path | None = None,
     ) -> None:
-        """``fabric`` (``<cluster-uuid>/<clique-id>``) places an NVL72 node in an NVLink clique."""
+        """``fabric`` (``<cluster-uuid>/<clique-id>``) places an NVL72 node in an NVLink clique;
+        the GPUs' sysfs tree is made under ``sysfs_root`` (default ``<state_dir>/sysfs``)."""
         self.profile: NodeProfile = node_profile(profile)
         self.node_name = node_name
         self._gpus = node_gpus(self.profile, node_name, profile_fabric(self.profile, fabric))
         self._state = StateFile(state_dir / STATE_FILE_NAME)
         self._boot_id_path = boot_id_path
+        self.sysfs_root = sysfs_root or state_dir / "sysfs"
+        self._pci: PciBus | None = None  # the tree is made at the first use, like the state file
+        self.kernel: SimulatedKernel | None = None  # acts on the tree's writes; tests inject faults there
 
     # --- Backend -----------------------------------------------------------------------------------
 
     def inventory(self) -> Inventory:
         state = self._reading()
         return Inventory(
-            gpus=tuple(self._gpu_now(gpu, model, state) for gpu, model in self._gpus),
+            gpus=tuple(self._gpu_now(gpu, model, state) for gpu, model in self._gpus if self._on_nvidia(gpu)),
             driver_version=DRIVER_VERSION,
             cuda_driver_version=CUDA_DRIVER_VERSION,
             control_nodes=CONTROL_NODES,
@@ -217,6 +227,51 @@ class SimulatedBackend:
 
     def adopt_orphaned_gpu_instances(self, orphans: Iterable[OrphanedGpuInstance]) -> None:
         pass
+
+    def processes(self, gpu_uuid: str) -> int:
+        gpu, _ = self._find(gpu_uuid)
+        sim = self._reading().gpus.get(gpu.uuid)
+        return 1 if sim is not None and sim.busy else 0
+
+    def pci(self) -> PciBus:
+        """The simulated GPUs' sysfs tree: made at the first use, and afresh after a reboot."""
+        boot_id = self._boot_id()
+        if _read(self._sysfs_boot) != boot_id:  # none yet, or of an earlier boot: all on nvidia again
+            self._pci = None
+            try:
+                shutil.rmtree(self.sysfs_root, ignore_errors=True)
+                build_tree(self.sysfs_root, ())
+                for gpu, _ in self._gpus:
+                    add_function(
+                        self.sysfs_root,
+                        gpu.pci_bus_id,
+                        FIRST_GROUP + gpu.index,
+                        NVIDIA,
+                        device_id=gpu.pci_device_id,
+                    )
+                self._sysfs_boot.write_text(boot_id)
+            except OSError as error:
+                raise DeviceError(
+                    f"cannot make the simulated GPUs' sysfs tree in {self.sysfs_root}: {error}; point "
+                    "--sysfs-root or --data-dir at a writable directory"
+                ) from None
+        if self._pci is None:
+            self.kernel = SimulatedKernel(self.sysfs_root)
+            self._pci = PciBus(self.sysfs_root, self.kernel.write)
+        return self._pci
+
+    @property
+    def _sysfs_boot(self) -> Path:
+        return self.sysfs_root / ".simulated-boot-id"  # no kernel file: the boot the bindings are of
+
+    def _on_nvidia(self, gpu: Gpu) -> bool:
+        """Whether NVML sees the GPU: bound to nvidia, as every GPU is until the tree says otherwise.
+
+        Only reads: a tree of another boot (or none) means every GPU is on nvidia.
+        """
+        if _read(self._sysfs_boot) != self._boot_id():
+            return True
+        return PciBus(self.sysfs_root).driver(gpu.pci_bus_id) == NVIDIA
 
     def close(self) -> None:
         """Nothing to release: all state is in the file."""
@@ -417,3 +472,10 @@ class SimulatedBackend:
             mig_enabled=sim.mig_enabled,
             mig_devices=tuple(self._mig_device(gpu, model, d) for d in sim.mig_devices),
         )
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return None

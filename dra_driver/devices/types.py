@@ -67,11 +67,15 @@ class MigProfile:
 
 @dataclass(frozen=True)
 class DeviceNode:
-    """A character device the container needs, with numbers so a runtime need not stat it."""
+    """A character device the container needs, with numbers so a runtime need not stat it.
+
+    Numbers None: the runtime reads them from the host's node (``/dev/vfio/<group>``, whose major
+    the kernel picks, and which exists only once the GPU is on vfio-pci).
+    """
 
     path: str
-    major: int
-    minor: int
+    major: int | None
+    minor: int | None
     host_path: str | None = None  # set when the node lives elsewhere on the host (driver root)
 
 

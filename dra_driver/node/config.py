@@ -14,6 +14,9 @@ Kinds:
     (with ``timeSlicing.interval``: Default, Short, Medium or Long) or ``MPS`` (with
     ``mps.defaultActiveThreadPercentage`` 1-100 and ``mps.defaultPinnedDeviceMemoryLimit``,
     a memory quantity such as ``10Gi``).
+``VfioDeviceConfig``
+    for passthrough devices: ``iommu.backendPolicy`` (LegacyOnly or PreferIommuFD) and
+    ``iommu.enableAPIDevice``, as NVIDIA's (docs/passthrough.md).
 ``MigDeviceConfig``
     for MIG devices. Same strategies, but no ``timeSlicing`` settings: the time-slice
     interval is a property of a full GPU that MIG devices do not have (processes on one
@@ -129,14 +132,39 @@ class MigDeviceConfig(ApiObject):
     sharing: MigSharing = Field(default_factory=lambda: MigSharing.model_validate({"strategy": "Exclusive"}))
 
 
+class Iommu(ApiObject):
+    backend_policy: Literal["LegacyOnly", "PreferIommuFD"] = Field(
+        default="LegacyOnly",
+        description="LegacyOnly: the VFIO group /dev/vfio/<group>. PreferIommuFD: the device's IOMMUFD "
+        "cdev /dev/vfio/devices/vfio<N> where the kernel has IOMMUFD, else the group.",
+    )
+    enable_api_device: bool = Field(
+        default=False,
+        alias="enableAPIDevice",
+        description="Also give the container the IOMMU API device: /dev/vfio/vfio, or /dev/iommu with "
+        "the IOMMUFD cdev.",
+    )
+
+
+class VfioDeviceConfig(ApiObject):
+    """Settings for passthrough devices (a GPU on vfio-pci for a virtual machine)."""
+
+    api_version: Literal["resource.dra-driver.dev/v1alpha1"]
+    kind: Literal["VfioDeviceConfig"]
+    iommu: Iommu = Field(default_factory=Iommu)
+
+
 DeviceConfig = GpuConfig | MigDeviceConfig
-_KINDS: dict[str, type[GpuConfig] | type[MigDeviceConfig]] = {
+AnyConfig = GpuConfig | MigDeviceConfig | VfioDeviceConfig
+_KINDS: dict[str, type[GpuConfig] | type[MigDeviceConfig] | type[VfioDeviceConfig]] = {
     "GpuConfig": GpuConfig,
     "MigDeviceConfig": MigDeviceConfig,
+    "VfioDeviceConfig": VfioDeviceConfig,
 }
 # What applies to a device no config names.
 DEFAULT_GPU_CONFIG = GpuConfig.model_validate({"apiVersion": API_VERSION, "kind": "GpuConfig"})
 DEFAULT_MIG_CONFIG = MigDeviceConfig.model_validate({"apiVersion": API_VERSION, "kind": "MigDeviceConfig"})
+DEFAULT_VFIO_CONFIG = VfioDeviceConfig.model_validate({"apiVersion": API_VERSION, "kind": "VfioDeviceConfig"})
 
 
 class ConfigError(Exception):
@@ -147,12 +175,12 @@ class ConfigError(Exception):
 class Decoded:
     """One decoded opaque config: the settings, and per-device limits only NVIDIA's API can state."""
 
-    config: DeviceConfig
+    config: AnyConfig
     # defaultPerDevicePinnedMemoryLimit of resource.nvidia.com: device uuid or index -> quantity.
     per_device_pinned_limits: Mapping[str, str] = field(default_factory=dict)
 
 
-def decode_config(entry: OpaqueConfig) -> DeviceConfig:
+def decode_config(entry: OpaqueConfig) -> AnyConfig:
     """Decode one opaque config; :class:`ConfigError` names the entry and every wrong field."""
     return decode_entry(entry).config
 
@@ -203,7 +231,7 @@ def _check_no_mig_time_slice(entry: OpaqueConfig, parameters: Mapping[str, Any])
             )
 
 
-def config_json(config: DeviceConfig) -> dict[str, Any]:
+def config_json(config: AnyConfig) -> dict[str, Any]:
     """The config as the user would write it (camelCase), with defaults filled in."""
     return config.model_dump(mode="json", by_alias=True, exclude_none=True)
 

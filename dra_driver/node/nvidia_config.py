@@ -33,8 +33,10 @@ Differences, all refusals rather than silent changes: NVIDIA's strategies need i
 ``defaultActiveThreadPercentage: 0`` are refused. Like our own API, the driver validates,
 records and announces these settings (``DRA_GPU_SHARING_*`` variables); it does not set the
 GPU's time slice or start an MPS daemon. Kinds NVIDIA serves that this driver does not
-implement (``VfioDeviceConfig``, the ComputeDomain configs) get an error naming the kind and
-the reason.
+implement (the ComputeDomain configs) get an error naming the kind and the reason.
+``VfioDeviceConfig`` (passthrough devices) keeps its fields: ``iommu.backendPolicy``
+(LegacyOnly, the default, or PreferIommuFD) and ``iommu.enableAPIDevice`` (false by default,
+as NVIDIA's: the container gets ``/dev/vfio/vfio``, or ``/dev/iommu`` under IOMMUFD, only when true).
 """
 
 from __future__ import annotations
@@ -121,14 +123,25 @@ class MigDeviceConfig(ApiObject):
     sharing: MigDeviceSharing | None = None
 
 
-_KINDS: dict[str, type[GpuConfig] | type[MigDeviceConfig]] = {
+class IommuConfig(ApiObject):
+    # NVIDIA's field is required inside iommu (its Validate refuses ""); absent here means LegacyOnly.
+    backend_policy: Literal["LegacyOnly", "PreferIommuFD"] | None = None
+    enable_api_device: bool | None = Field(default=None, alias="enableAPIDevice")  # NVIDIA's spelling
+
+
+class VfioDeviceConfig(ApiObject):
+    api_version: Literal["resource.nvidia.com/v1beta1"]
+    kind: Literal["VfioDeviceConfig"]
+    iommu: IommuConfig | None = None
+
+
+_KINDS: dict[str, type[GpuConfig] | type[MigDeviceConfig] | type[VfioDeviceConfig]] = {
     "GpuConfig": GpuConfig,
     "MigDeviceConfig": MigDeviceConfig,
+    "VfioDeviceConfig": VfioDeviceConfig,
 }
 # NVIDIA serves these too; why this driver does not.
 UNSUPPORTED_KINDS: Final[Mapping[str, str]] = {
-    "VfioDeviceConfig": "VFIO passthrough (NVIDIA's PassthroughSupport feature) is not supported: this "
-    "driver publishes no gpu-vfio-* devices and never binds a GPU to vfio-pci",
     "ComputeDomainChannelConfig": "ComputeDomains (IMEX channels) are served by the compute-domain "
     "driver (compute-domain.nvidia.com beside gpu.nvidia.com; the chart's computeDomains), not by this "
     "GPU driver: use the ResourceClaimTemplate the ComputeDomain creates",
@@ -179,6 +192,18 @@ def translate(parameters: Mapping[str, Any], native_api_version: str) -> Transla
         config = model.model_validate_json(json.dumps(parameters))
     except ValidationError as error:
         raise NvidiaConfigError(describe_errors(error)) from None
+    if isinstance(config, VfioDeviceConfig):
+        iommu = config.iommu or IommuConfig()
+        return Translated(
+            parameters={
+                "apiVersion": native_api_version,
+                "kind": config.kind,
+                "iommu": {
+                    "backendPolicy": iommu.backend_policy or "LegacyOnly",
+                    "enableAPIDevice": bool(iommu.enable_api_device),
+                },
+            }
+        )
     sharing: dict[str, Any] = {"strategy": "Exclusive"}
     per_device: Mapping[str, str] = {}
     if config.sharing is not None:

@@ -17,6 +17,18 @@ A device name resolves to one of three things (names follow
   capability nodes, so the plan's spec is complete once :meth:`ClaimPlan.with_created`
   has been given every created device.
 
+A passthrough device, ``gpu-vfio-<index>`` (NVIDIA's name: the GPU's place in PCI order), resolves
+to its GPU while that GPU is on the nvidia driver with MIG mode off; the preparer binds it to
+vfio-pci. Its CDI device gives ``/dev/vfio/<group>`` (numbers left to the runtime: the kernel
+picks them when the group appears) and announces ``DRA_GPU_PASSTHROUGH_<DEVICE>=<gpu>,<address>``,
+which tells recovery which GPU to bind back should the store be lost. The claim's spec then holds
+no driver files, hooks or control nodes (the VM's process gets no NVIDIA driver); with
+``iommu.enableAPIDevice`` it gets ``/dev/vfio/vfio``. Under ``PreferIommuFD`` on a kernel with
+IOMMUFD the device is its cdev ``/dev/vfio/devices/vfio<N>`` and the API device ``/dev/iommu``;
+the cdev is named once the GPU is on vfio-pci, so such a plan's spec is complete after
+:meth:`ClaimPlan.with_cdev`. A claim holds passthrough devices only,
+as NVIDIA's driver has it: a VM and a CUDA container do not share a claim.
+
 A result with a ``shareID`` is a share of a full GPU published with consumable capacity
 (:mod:`dra_driver.node.shares`): it is checked against the GPU's request policy and, unless it
 takes the whole GPU, prepared with MPS limited to what it consumed. Its CDI device carries the
@@ -84,6 +96,7 @@ from dra_driver.cdi.spec import (
     uuid_env_name,
 )
 from dra_driver.cdi.validate import ValidSpec
+from dra_driver.devices.pci import PassthroughGpu
 from dra_driver.devices.types import DeviceNode, Gpu, Inventory, MigDevice, MigProfile, Placement
 from dra_driver.node.api_base import quantity_bytes
 from dra_driver.node.claims import (
@@ -96,6 +109,8 @@ from dra_driver.node.claims import (
 from dra_driver.node.config import (
     DEFAULT_GPU_CONFIG,
     DEFAULT_MIG_CONFIG,
+    DEFAULT_VFIO_CONFIG,
+    AnyConfig,
     ConfigError,
     Decoded,
     DeviceConfig,
@@ -103,6 +118,7 @@ from dra_driver.node.config import (
     GpuSharing,
     MigDeviceConfig,
     MigSharing,
+    VfioDeviceConfig,
     decode_entry,
     winning_configs,
 )
@@ -113,10 +129,19 @@ from dra_driver.resources.devices import (
     offers_partitions,
     partition_all,
 )
-from dra_driver.resources.naming import gpu_device_name, maintenance_device_name, mig_device_name
+from dra_driver.resources.naming import (
+    PASSTHROUGH_PREFIX,
+    gpu_device_name,
+    maintenance_device_name,
+    mig_device_name,
+    passthrough_device_name,
+)
 
 ADMIN_ACCESS_ENV_PREFIX = "DRA_GPU_ADMIN_ACCESS_"
 MIG_CREATED_ENV_PREFIX = "DRA_GPU_MIG_CREATED_"
+PASSTHROUGH_ENV_PREFIX = "DRA_GPU_PASSTHROUGH_"
+VFIO_CONTAINER = DeviceNode("/dev/vfio/vfio", 10, 196)  # a misc device: its numbers are fixed
+IOMMU_DEVICE = DeviceNode("/dev/iommu", None, None)  # a misc device with a dynamic minor
 # Request names and a pod's names for its claims are DNS labels; each becomes a path segment.
 _DNS_LABEL = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")
 
@@ -152,6 +177,7 @@ class Target:
     gpu: Gpu
     mig: MigDevice | None = None
     create: MigPlacement | None = None
+    passthrough: PassthroughGpu | None = None  # the GPU bound to vfio-pci for a virtual machine
 
     @property
     def is_mig(self) -> bool:
@@ -184,6 +210,19 @@ class PlannedDevice:
     config: DeviceConfig  # the effective config; the default when none applies
     cdi_device_id: str
     share: Share | None = None  # a share of the GPU (consumable capacity)
+    vfio: VfioDeviceConfig | None = None  # a passthrough device's effective config
+    cdev: str | None = None  # its IOMMUFD cdev (/dev/vfio/devices/vfio<N>), once the GPU is on vfio-pci
+
+    @property
+    def iommufd(self) -> bool:
+        """Whether the container gets the IOMMUFD cdev: PreferIommuFD, on a kernel that has IOMMUFD."""
+        place = self.target.passthrough
+        return (
+            place is not None
+            and place.iommufd
+            and self.vfio is not None
+            and self.vfio.iommu.backend_policy == "PreferIommuFD"
+        )
 
 
 @dataclass(frozen=True)
@@ -213,17 +252,29 @@ class ClaimPlan:
             ),
         )
 
+    @property
+    def to_bind(self) -> tuple[str, ...]:
+        """Passthrough devices whose IOMMUFD cdev is named only once their GPU is on vfio-pci."""
+        return tuple(d.result.device for d in self.devices if d.iommufd and d.cdev is None)
+
+    def with_cdev(self, device: str, cdev: str) -> ClaimPlan:
+        """This plan once the GPU of passthrough ``device`` is on vfio-pci with ``cdev``."""
+        return replace(
+            self,
+            devices=tuple(replace(d, cdev=cdev) if d.result.device == device else d for d in self.devices),
+        )
+
     @cached_property
     def cdi_spec(self) -> ValidSpec:
-        """The claim's CDI spec; ValueError while a MIG device is still to be created."""
-        if self.to_create:
-            raise ValueError(f"MIG devices {', '.join(self.to_create)} are not created yet")
+        """The claim's CDI spec; ValueError while a MIG device is still to be created or a GPU bound."""
+        if self.to_create or self.to_bind:
+            raise ValueError(f"devices {', '.join((*self.to_create, *self.to_bind))} are not ready yet")
         # Two results naming one device (shares of one device) need only one CDI device.
         cdi_devices = list(
             dict.fromkeys(_cdi_device(device, self._metadata_mounts(device)) for device in self.devices)
         )
         try:
-            return claim_spec(self.driver_name, self.claim.ref.uid, cdi_devices, self.common)
+            return claim_spec(self.driver_name, self.claim.ref.uid, cdi_devices, self._spec_common())
         except ValueError as error:
             raise ClaimRejected(f"cannot build the CDI spec for claim {self.claim.ref}: {error}") from None
 
@@ -276,6 +327,19 @@ class ClaimPlan:
             attributes = device_attributes(inventory, gpu)
         return MetadataDevice(self.driver_name, device.result.pool, device.result.device, attributes)
 
+    @property
+    def passthrough(self) -> tuple[PlannedDevice, ...]:
+        """The passthrough devices: the GPUs to bind to vfio-pci (a claim holds only these, or none)."""
+        return tuple(d for d in self.devices if d.target.passthrough is not None)
+
+    def _spec_common(self) -> CommonEdits:
+        """What every container of the claim gets: for a VM's passthrough devices no driver at all."""
+        if not self.passthrough:
+            return self.common
+        api = any(d.vfio is not None and d.vfio.iommu.enable_api_device for d in self.passthrough)
+        nodes = (IOMMU_DEVICE if any(d.iommufd for d in self.passthrough) else VFIO_CONTAINER,) if api else ()
+        return CommonEdits(device_nodes=nodes, mounts=(), hooks=())
+
 
 def plan_claim(
     claim: AllocatedClaim,
@@ -287,6 +351,7 @@ def plan_claim(
     mig_holders: Mapping[str, str] | None = None,
     consumable: bool = False,
     metadata: MetadataSource | None = None,
+    passthrough: Mapping[str, PassthroughGpu] | None = None,
 ) -> ClaimPlan:
     """Everything preparing ``claim`` means; :class:`ClaimRejected` if any of it is impossible.
 
@@ -295,20 +360,35 @@ def plan_claim(
     created to the uid of the claim it was created for. ``consumable`` says whether full GPUs
     are published as shareable (``--consumable-capacity``); only then are shares prepared.
     ``metadata``, when given, adds each request's device metadata file (``--device-metadata``).
+    ``passthrough`` maps the PCI address of each GPU that can be passed through to its details
+    (``--passthrough``; None: off, and ``gpu-vfio-*`` names are refused).
     """
     if metadata is not None:
         _check_metadata_names(claim)
     holders = mig_holders or {}
     targets = {
-        result: _resolve(result, claim.ref.uid, inventory, partition, holders) for result in claim.results
+        result: _resolve(result, claim.ref.uid, inventory, partition, holders, passthrough or {})
+        for result in claim.results
     }
+    vfio_results = [r for r in claim.results if targets[r].passthrough is not None]
+    if vfio_results and len(vfio_results) != len(claim.results):
+        others = ", ".join(r.device for r in claim.results if targets[r].passthrough is None)
+        raise ClaimRejected(
+            f"the claim holds passthrough devices ({', '.join(r.device for r in vfio_results)}) beside "
+            f"{others}: a GPU passed through to a virtual machine shares no claim with devices for "
+            "containers; use two claims"
+        )
     try:
         decoded = [(entry, decode_entry(entry)) for entry in claim.configs]
     except ConfigError as error:
         raise ClaimRejected(str(error)) from None
     _check_config_kinds([(entry, d.config) for entry, d in decoded], claim.results, targets)
-    gpu_results = [r for r in claim.results if not targets[r].is_mig]
+    gpu_results = [r for r in claim.results if not targets[r].is_mig and targets[r].passthrough is None]
     mig_results = [r for r in claim.results if targets[r].is_mig]
+    chosen = winning_configs(
+        vfio_results, [(e, d.config) for e, d in decoded if isinstance(d.config, VfioDeviceConfig)]
+    )
+    vfio_configs = {r: chosen[r][1] if r in chosen else DEFAULT_VFIO_CONFIG for r in vfio_results}
     winners = {
         **winning_configs(gpu_results, [(e, d) for e, d in decoded if isinstance(d.config, GpuConfig)]),
         **winning_configs(mig_results, [(e, d) for e, d in decoded if isinstance(d.config, MigDeviceConfig)]),
@@ -338,13 +418,14 @@ def plan_claim(
             ),
             cdi_device_id=cdi_device_id(driver_name, claim.ref.uid, result.device, result.share_id),
             share=shares.get(result),
+            vfio=vfio_configs.get(result),
         )
         for result in claim.results
     )
     for device in devices:
         _check_fits(device)
     plan = ClaimPlan(claim=claim, devices=devices, driver_name=driver_name, common=common, metadata=metadata)
-    if not plan.to_create:
+    if not plan.to_create and not plan.to_bind:
         plan.cdi_spec  # noqa: B018 -- built now, so that a spec no runtime would accept rejects the claim
     return plan
 
@@ -439,6 +520,7 @@ def _per_device_limits(
     """
     configs: dict[AllocationResult, DeviceConfig] = {}
     for result, (entry, decoded) in winners.items():
+        assert not isinstance(decoded.config, VfioDeviceConfig)  # winners are of GPUs and MIG devices
         configs[result] = decoded.config
         if not decoded.per_device_pinned_limits:
             continue
@@ -460,7 +542,7 @@ def _per_device_limits(
             if index == position:
                 limit = value
         if limit is not None:
-            configs[result] = _with_pinned_limit(decoded.config, limit)
+            configs[result] = _with_pinned_limit(configs[result], limit)
     return configs
 
 
@@ -478,7 +560,7 @@ def _with_pinned_limit(config: DeviceConfig, limit: str) -> DeviceConfig:
 
 
 def _check_config_kinds(
-    decoded: Sequence[tuple[OpaqueConfig, DeviceConfig]],
+    decoded: Sequence[tuple[OpaqueConfig, AnyConfig]],
     results: Sequence[AllocationResult],
     targets: Mapping[AllocationResult, Target],
 ) -> None:
@@ -502,16 +584,13 @@ def _check_config_kinds(
     for entry, config in decoded:
         if entry.source is not ConfigSource.FROM_CLAIM:
             continue
-        for_mig = isinstance(config, MigDeviceConfig)
         for request in entry.requests:
             served = [r for r in results if r.request == request]
-            if not served or any(targets[r].is_mig == for_mig for r in served):
+            if not served or any(_kind_of(targets[r]) == config.kind for r in served):
                 continue
-            wanted, other, fix = (
-                ("MIG devices", "full GPU", "GpuConfig")
-                if for_mig
-                else ("full GPUs", "MIG device", "MigDeviceConfig")
-            )
+            wanted = _KIND_SERVES[config.kind]
+            kind = _kind_of(targets[served[0]])
+            other, fix = _KIND_SERVES[kind].rstrip("s"), kind
             got = f"{other}{'s' if len(served) > 1 else ''} {', '.join(r.device for r in served)}"
             problems.append(
                 f"{entry.describe()}: {config.kind} applies to {wanted}, but request {request} was "
@@ -521,14 +600,31 @@ def _check_config_kinds(
         raise ClaimRejected("; ".join(problems))
 
 
+_KIND_SERVES = {
+    "GpuConfig": "full GPUs",
+    "MigDeviceConfig": "MIG devices",
+    "VfioDeviceConfig": "passthrough devices",
+}
+
+
+def _kind_of(target: Target) -> str:
+    """The config kind that applies to ``target``."""
+    if target.passthrough is not None:
+        return "VfioDeviceConfig"
+    return "MigDeviceConfig" if target.is_mig else "GpuConfig"
+
+
 def _resolve(
     result: AllocationResult,
     claim_uid: str,
     inventory: Inventory,
     partition: PartitionPolicy,
     mig_holders: Mapping[str, str],
+    passthrough: Mapping[str, PassthroughGpu],
 ) -> Target:
     device = result.device
+    if device.startswith(PASSTHROUGH_PREFIX):
+        return _passthrough_target(result, inventory, passthrough)
     for gpu in inventory.gpus:
         if device == gpu_device_name(gpu.minor):
             if gpu.mig_enabled or gpu.mig_devices:
@@ -558,6 +654,41 @@ def _resolve(
         f"device {device} does not exist on this node (GPUs: {known}); the claim was allocated from a "
         "stale ResourceSlice: delete the pod so the claim is allocated again"
     )
+
+
+def _passthrough_target(
+    result: AllocationResult, inventory: Inventory, passthrough: Mapping[str, PassthroughGpu]
+) -> Target:
+    """The GPU behind ``gpu-vfio-<index>``: on the nvidia driver, MIG mode off, no admin access."""
+    device = result.device
+    place = next((p for p in passthrough.values() if passthrough_device_name(p.index) == device), None)
+    if place is None:
+        reason = (
+            "passthrough is off (--passthrough)"
+            if not passthrough
+            else "no GPU of that index is in an IOMMU group"
+        )
+        raise ClaimRejected(
+            f"device {device} is no passthrough device of this node: {reason}; the claim was allocated from "
+            "a stale ResourceSlice: delete the pod so the claim is allocated again"
+        )
+    if result.admin_access or result.share_id is not None:
+        raise ClaimRejected(
+            f"device {device} is a GPU passed through to a virtual machine, which cannot be shared: request "
+            "it without adminAccess and without capacity"
+        )
+    gpu = next((g for g in inventory.gpus if g.pci_bus_id == place.address), None)
+    if gpu is None:
+        raise ClaimRejected(
+            f"device {device}: GPU {place.address} is not on the nvidia driver (passed through already, or "
+            "taken by an administrator), so it cannot be passed through for this claim"
+        )
+    if gpu.mig_enabled or gpu.mig_devices:
+        raise ClaimRejected(
+            f"device {device}: GPU {gpu_device_name(gpu.minor)} is in MIG mode or has MIG devices, and a "
+            "virtual machine gets the whole GPU; the claim was allocated from a stale ResourceSlice"
+        )
+    return Target(gpu, passthrough=place)
 
 
 def _mig_target(
@@ -617,6 +748,17 @@ def _check_fits(device: PlannedDevice) -> None:
 
 
 def _cdi_device(device: PlannedDevice, mounts: tuple[Mount, ...] = ()) -> CdiDevice:
+    place = device.target.passthrough
+    if place is not None:
+        name = device.result.device
+        gpu = gpu_device_name(device.target.gpu.minor)
+        path = device.cdev if device.iommufd and device.cdev else f"/dev/vfio/{place.iommu_group}"
+        return CdiDevice(
+            name=name,
+            device_nodes=(DeviceNode(path, None, None),),
+            env=((passthrough_env_name(name), f"{gpu},{place.address}"),),
+            mounts=mounts,
+        )
     env = sharing_env(device.result.device, device.config.sharing)
     if device.result.admin_access:
         env += admin_access_env(device.result.device)
@@ -635,6 +777,11 @@ def _cdi_device(device: PlannedDevice, mounts: tuple[Mount, ...] = ()) -> CdiDev
 def admin_access_env(device: str) -> tuple[tuple[str, str], ...]:
     """The variable telling a maintenance container that it holds ``device`` with admin access."""
     return ((f"{ADMIN_ACCESS_ENV_PREFIX}{_device_suffix(device)}", "true"),)
+
+
+def passthrough_env_name(device: str) -> str:
+    """The variable naming the GPU and PCI address of passthrough ``device`` (see the module doc)."""
+    return f"{PASSTHROUGH_ENV_PREFIX}{_device_suffix(device)}"
 
 
 def mig_created_env(device: str) -> tuple[tuple[str, str], ...]:

@@ -24,6 +24,13 @@ halves the store's writes of the common prepare. The spec stays locked until its
 record is committed, so that a second instance starting meanwhile (a rolling update)
 does not take a live prepare for a crashed one.
 
+A passthrough claim (a GPU for a virtual machine) takes steps too: after PrepareStarted is
+committed (the GPU and its MIG placements reserved, the GPU recorded), each GPU is checked
+idle (no processes; no other function of its IOMMU group on a host driver) and moved to
+vfio-pci (:mod:`dra_driver.devices.pci`, which binds it back to nvidia when a step fails);
+its unprepare binds it back to nvidia before the spec and the record go. A later attempt
+that finds an earlier one's record binds that one's GPUs back first, then starts afresh.
+
 Unprepare stops the claim's MPS daemon and puts back each GPU's compute mode and time
 slice (unless another prepared claim still shares that GPU), then destroys the claim's
 MIG devices: while one cannot be destroyed (in use), the claim keeps its record and
@@ -61,27 +68,30 @@ import contextlib
 import dataclasses
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import structlog
 
+from dra_driver import crashpoint
 from dra_driver.cdi.metadata import MetadataFiles
 from dra_driver.cdi.spec import CommonEdits
 from dra_driver.cdi.store import SpecStore
 from dra_driver.devices.backend import Backend, DeviceError
+from dra_driver.devices.pci import PassthroughGpu, PciError
 from dra_driver.devices.types import Gpu, Inventory, MigDevice
 from dra_driver.node.claim_fetcher import ClaimFetcher, ClaimFetchError
 from dra_driver.node.claims import ClaimRejected, allocated_claim, check_ref
 from dra_driver.node.config import config_json
 from dra_driver.node.partitioner import Partitioner, PartitionError
-from dra_driver.node.plan import ClaimPlan, MetadataSource, MigPlacement, plan_claim
+from dra_driver.node.plan import ClaimPlan, MetadataSource, MigPlacement, PlannedDevice, plan_claim
 from dra_driver.node.records import (
     ClaimRecord,
     DeviceRecord,
     MigRecord,
     NodeState,
+    PassthroughRecord,
     SharingRecord,
     SharingState,
     read_boot_id,
@@ -118,6 +128,7 @@ _CLAIM_ERRORS = (
     SharingError,
     MpsDaemonError,
     DeviceError,
+    PciError,
     OSError,
 )
 
@@ -168,6 +179,7 @@ class NodePreparer:
         on_idle: Callable[[], None] | None = None,
         mps: MpsDaemons | None = None,
         metadata: MetadataFiles | None = None,
+        passthrough: Mapping[str, PassthroughGpu] | None = None,
     ) -> None:
         self._driver = driver_name
         self._pool = node_name
@@ -192,6 +204,7 @@ class NodePreparer:
         self._in_flight: set[asyncio.Task[Any]] = set()  # claim operations still running
         self._sharing = SharingApplier(backend, mps)
         self._metadata = metadata
+        self._passthrough = passthrough  # by PCI address; None: --passthrough is off
 
     async def start(self) -> None:
         """Open the store (repairing it after a reboot, damage or a crash); call once before serving."""
@@ -348,6 +361,9 @@ class NodePreparer:
                     "the pod cannot start until the claim exists again"
                 )
             claim = allocated_claim(ref, claim_json, self._driver, self._pool)
+            if existing is not None and _passthrough_of(existing):
+                # An earlier attempt's GPUs on vfio-pci go back to nvidia: this one starts afresh.
+                await self._bind_back(existing)
             inventory = self._inventory()
             plan = plan_claim(
                 claim,
@@ -360,10 +376,11 @@ class NodePreparer:
                 mig_holders=store.mig_holders(),
                 consumable=self._consumable,
                 metadata=MetadataSource(self._metadata.plugin_dir, inventory) if self._metadata else None,
+                passthrough=self._passthrough,
             )
             sharing = sharing_plan(plan)
-            # Sharing and MIG devices to create take steps, each recorded before it is taken.
-            in_steps = bool(plan.to_create) or sharing.changes_anything
+            # Sharing, MIG devices to create and GPUs to pass through take steps, each recorded first.
+            in_steps = bool(plan.to_create) or sharing.changes_anything or bool(plan.passthrough)
             # Only claims that change a GPU's settings take turns (see SharingApplier.lock): the
             # others' commits must stay concurrent, so that they share fsyncs.
             guard: contextlib.AbstractAsyncContextManager[object] = (
@@ -486,7 +503,18 @@ class NodePreparer:
         record = reserved
         created: list[tuple[str, MigDevice]] = []  # by this attempt, oldest first
         recorded = 0  # how many of them the record on disk names
+        # PCI addresses of the GPUs this attempt moves to vfio-pci, each listed before its move: a
+        # move whose rollback failed too leaves its GPU unbound, and the undo tries nvidia again.
+        bound: list[str] = []
         try:
+            for device in plan.passthrough:
+                assert device.target.passthrough is not None
+                bound.append(device.target.passthrough.address)
+                cdev = await self._pass_through(device)
+                if device.iommufd:
+                    plan = plan.with_cdev(device.result.device, cdev)
+            if bound:
+                await self._partitioner.changed()  # the GPUs left NVML's view: republish
             for name, (gpu, placement) in plan.to_create.items():
                 mig = await self._partitioner.create(name, _mig_record(gpu, placement))
                 created.append((name, mig))
@@ -503,14 +531,71 @@ class NodePreparer:
             self._state().commit(Complete(uid, completed))
         except MutationRejected:
             # The record is gone or another attempt's: its spec is not ours to remove, and the MIG
-            # devices it names are that attempt's to use. Only the unrecorded ones are ours alone.
+            # devices it names are that attempt's to use. Only the unrecorded ones are ours alone,
+            # and the GPUs passed through when no record names them any more.
             await self._destroy_created(created[recorded:])
+            if self._state().claim(uid) is None:
+                await self._unbind(bound)
             raise
         except BaseException:
-            await self._undo(uid, reserved.attempt, created, reserved.sharing)
+            await self._undo(uid, reserved.attempt, created, reserved.sharing, bound)
             self._remove_metadata(plan.claim.ref)
             raise
         return completed
+
+    async def _pass_through(self, device: PlannedDevice) -> str:
+        """Check that the GPU is idle and alone in use in its IOMMU group, then move it to vfio-pci;
+        the path of its IOMMUFD cdev where the kernel has one, else ""."""
+        gpu, place = device.target.gpu, device.target.passthrough
+        assert place is not None
+        name = device.result.device
+
+        def move() -> str:
+            processes = self._backend.processes(gpu.uuid)
+            if processes:
+                raise ClaimRejected(
+                    f"GPU {gpu_device_name(gpu.minor)} ({place.address}) has {processes} process(es) "
+                    f"running, so it cannot be passed through ({name}); the kubelet retries once they end"
+                )
+            busy = self._backend.pci().busy_group_members(place.address)
+            if busy:
+                users = ", ".join(f"{address} ({driver})" for address, driver in busy.items())
+                raise ClaimRejected(
+                    f"GPU {place.address} cannot be passed through ({name}): its IOMMU group "
+                    f"{place.iommu_group} also holds {users}, in use by the host, and a virtual machine "
+                    "gets the whole group; bind those to vfio-pci, or pass through another GPU"
+                )
+            crashpoint.reached("vfio.before_bind")
+            self._backend.pci().bind_vfio(place.address)
+            crashpoint.reached("vfio.after_bind")
+            cdev = self._backend.pci().vfio_cdev(place.address)
+            if device.iommufd and cdev is None:
+                raise PciError(f"GPU {place.address} is on vfio-pci but has no IOMMUFD cdev (vfio-dev)")
+            return cdev.path if cdev else ""
+
+        cdev = await asyncio.to_thread(move)
+        log.info(
+            "GPU bound to vfio-pci", device=name, pci_bus_id=place.address, iommu_group=place.iommu_group
+        )
+        return cdev
+
+    async def _unbind(self, addresses: Sequence[str]) -> None:
+        """Give GPUs back to nvidia, newest first; PciError when one cannot go back (the kubelet retries)."""
+
+        def move(address: str) -> None:
+            crashpoint.reached("vfio.before_unbind")
+            self._backend.pci().bind_nvidia(address)
+            crashpoint.reached("vfio.after_unbind")
+
+        for address in reversed(addresses):
+            await asyncio.to_thread(move, address)
+            log.info("GPU bound back to nvidia", pci_bus_id=address)
+        if addresses:
+            await self._partitioner.changed()
+
+    async def _bind_back(self, record: ClaimRecord) -> None:
+        """The GPUs ``record`` passed through, back on nvidia (idempotent: a GPU there stays)."""
+        await self._unbind([p.pci_bus_id for p in _passthrough_of(record)])
 
     async def _undo(
         self,
@@ -518,12 +603,14 @@ class NodePreparer:
         attempt: str,
         created: Sequence[tuple[str, MigDevice]],
         sharing: SharingRecord | None = None,
+        bound: Sequence[str] = (),
     ) -> None:
         try:
             if sharing is not None:
                 await self._sharing.undo(uid, sharing, self._state().sharing())
             all_destroyed = await self._destroy_created(created)
             self._specs.remove(uid)
+            await self._unbind(bound)  # a GPU that cannot go back keeps the record, for the next try
             if all_destroyed:
                 self._state().commit(Release(uid, attempt))
         except Exception as error:
@@ -557,6 +644,7 @@ class NodePreparer:
                 record = await self._undo_sharing(ref.uid)
             if record is not None:
                 await self._destroy_recorded(ref.uid, record)
+                await self._bind_back(record)  # raises while a GPU cannot go back: the kubelet retries
             # The spec goes first: as long as it exists, so does the record (see recovery).
             self._specs.remove(ref.uid)
             self._remove_metadata(ref)
@@ -614,13 +702,23 @@ def _device_records(plan: ClaimPlan) -> tuple[DeviceRecord, ...]:
             share_bytes=device.result.consumed_capacity.get(MEMORY) if device.share else None,
             gpu_bytes=device.target.gpu.memory_bytes if device.share else None,
             cdi_device_ids=(device.cdi_device_id,),
-            config=config_json(device.config),
+            config=config_json(device.vfio or device.config),
             mig=_mig_record(device.target.gpu, device.target.create, device.target.mig)
             if device.target.create
+            else None,
+            passthrough=PassthroughRecord(
+                parent_device=gpu_device_name(device.target.gpu.minor),
+                pci_bus_id=device.target.passthrough.address,
+            )
+            if device.target.passthrough is not None
             else None,
         )
         for device in plan.devices
     )
+
+
+def _passthrough_of(record: ClaimRecord) -> list[PassthroughRecord]:
+    return [d.passthrough for d in record.devices if d.passthrough is not None]
 
 
 def _mig_record(gpu: Gpu, create: MigPlacement, existing: MigDevice | None = None) -> MigRecord:

@@ -52,6 +52,17 @@ class MigRecord(_Record):
     uuid: str | None = None  # "MIG-...", once created
 
 
+class PassthroughRecord(_Record):
+    """A GPU that prepare moved to vfio-pci for a virtual machine, and unprepare gives back to nvidia.
+
+    Recorded with PrepareStarted, before the GPU is unbound: after a crash in between, the
+    unprepare (or the next prepare) still knows which GPU to bind back.
+    """
+
+    parent_device: str  # the full GPU's device name ("gpu-0"): it and its MIG devices are excluded
+    pci_bus_id: str  # "0000:3b:00.0", the address sysfs knows it by
+
+
 class DeviceRecord(_Record):
     """One prepared allocation result."""
 
@@ -67,6 +78,8 @@ class DeviceRecord(_Record):
     cdi_device_ids: tuple[str, ...]
     config: dict[str, Any] | None = None  # the effective opaque config, as the user would write it
     mig: MigRecord | None = None  # set when prepare creates the device (dynamic MIG)
+    # A passthrough device (gpu-vfio-<index>); left out of the file when not (most devices).
+    passthrough: PassthroughRecord | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class GpuPolicyRecord(_Record):

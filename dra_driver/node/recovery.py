@@ -50,6 +50,10 @@ loses the table too: then the spec itself says which MIG devices the driver made
 the claim (``DRA_GPU_MIG_CREATED_<DEVICE>=true``), and the live device with the spec's
 uuid is recorded as the claim's again, so its unprepare still destroys it.
 
+A passthrough device's spec names its GPU and PCI address
+(``DRA_GPU_PASSTHROUGH_<DEVICE>=gpu-0,0000:3b:00.0``): the rebuilt record holds the GPU and
+its MIG placements as the prepare did, and the claim's unprepare binds the GPU back to nvidia.
+
 Temporary files that crashed writes left in the CDI directory are removed here too.
 
 Runs in a worker thread at start-up, before the kubelet's calls are served: these
@@ -67,8 +71,8 @@ import structlog
 from dra_driver.cdi.spec import device_of_cdi_name, uuid_env_name
 from dra_driver.cdi.store import SpecStore
 from dra_driver.devices.types import MigDevice
-from dra_driver.node.plan import admin_access_env, mig_created_env
-from dra_driver.node.records import ClaimRecord, DeviceRecord, MigRecord
+from dra_driver.node.plan import admin_access_env, mig_created_env, passthrough_env_name
+from dra_driver.node.records import ClaimRecord, DeviceRecord, MigRecord, PassthroughRecord
 from dra_driver.node.store import MutationRejected, Opened, Progress, Reserve, Store
 
 log = structlog.get_logger(__name__)
@@ -191,6 +195,7 @@ def _recovered(
             cdi_device_ids=(f"{kind}={name}",),
             mig=ours.get(uuid := _env(entry, uuid_env_name(device)))
             or _created_for_the_claim(entry, device, uuid, live),
+            passthrough=_passed_through(entry, device),
         )
         for entry in named
         if isinstance(name := entry.get("name"), str)
@@ -226,6 +231,14 @@ def _created_for_the_claim(
         placement_size=made.placement.size,
         uuid=made.uuid,
     )
+
+
+def _passed_through(entry: dict[str, object], device: str) -> PassthroughRecord | None:
+    """The GPU a passthrough device's spec names (``DRA_GPU_PASSTHROUGH_<DEVICE>=<gpu>,<address>``)."""
+    parent, _, address = _env(entry, passthrough_env_name(device)).partition(",")
+    if not (parent and address):
+        return None
+    return PassthroughRecord(parent_device=parent, pci_bus_id=address)
 
 
 def _env(entry: dict[str, object], name: str) -> str:

@@ -22,6 +22,10 @@ database itself refuses a second holder, whichever plugin instance writes:
   memory; shares of a GPU and an exclusive hold of it exclude each other, and the shares of
   a GPU together fit its memory, which a unique index cannot say, so the same writing
   transaction checks both with one indexed query (the sum of the rows, never a cache);
+* a passthrough device (``gpu-vfio-<index>``, the GPU on vfio-pci for a virtual machine)
+  occupies all of its GPU's slices, as the full GPU does: the GPU cannot be passed through
+  while a full-GPU, MIG or share claim holds it, nor be prepared any other way while passed
+  through;
 * an admin-access allocation occupies nothing: a monitoring pod never counts against a device.
 
 **One step is one transaction**, ``BEGIN IMMEDIATE``, short and never across an API or an
@@ -69,6 +73,7 @@ from dra_driver.node.records import (
     describe,
     named,
 )
+from dra_driver.resources.naming import PASSTHROUGH_PREFIX
 
 log = structlog.get_logger(__name__)
 
@@ -184,6 +189,8 @@ def units(device: DeviceRecord) -> list[tuple[str, str]]:
         return []
     if device.share_id is not None:
         return [(device.device, f"share:{device.share_id}")]
+    if device.passthrough is not None:
+        return [(device.passthrough.parent_device, f"slice:{i}") for i in range(GPU_SLICES)]
     if device.mig is not None:
         start, size = device.mig.placement_start, device.mig.placement_size
         return [(device.mig.parent_device, f"slice:{i}") for i in range(start, start + size)]
@@ -454,6 +461,17 @@ _STALE = "The scheduler allocated it from a stale ResourceSlice: the kubelet ret
 
 
 def _conflict(device: DeviceRecord, gpu: str, theirs: str, holder: str) -> str:
+    if device.passthrough is not None and theirs != device.device:
+        return (
+            f"GPU {gpu} cannot be passed through ({device.device}): claim {holder} holds {theirs} on it. "
+            f"{_STALE}, and the GPU is free once that claim is unprepared"
+        )
+    if theirs.startswith(PASSTHROUGH_PREFIX) and theirs != device.device:
+        return (
+            f"device {device.device} cannot be prepared: its GPU {gpu} is passed through to a virtual "
+            f"machine ({theirs}) for claim {holder}. {_STALE}, and the GPU is free once that claim is "
+            "unprepared"
+        )
     if theirs == device.device:
         return (
             f"device {device.device} is already prepared for claim {holder}; a device serves one claim "

@@ -9,6 +9,12 @@ Per physical GPU, in this order:
   created, each consuming its profile's share and exactly its memory slices from the GPU's
   counter set; the full GPU then consumes every counter of that set.
 
+With passthrough on, a GPU in an IOMMU group whose MIG mode is off also has a passthrough device,
+``gpu-vfio-<index>`` (NVIDIA's name and attributes, ``type`` ``vfio``): the GPU on vfio-pci for a
+virtual machine. It consumes every counter of the GPU's counter set, as the full GPU does, so the
+scheduler never allocates it beside the full GPU or a MIG device of it; a GPU that offers no
+partitions gets a counter set of its memory alone for that, which its full GPU consumes too.
+
 With consumable capacity on, the full GPU is shareable (``allowMultipleAllocations``, memory
 and SMs with request policies: :mod:`dra_driver.resources.capacity`); it keeps its counters.
 
@@ -33,9 +39,11 @@ near the API's 32.
 from __future__ import annotations
 
 import re
+import uuid as uuid_module
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from dra_driver.devices.pci import PassthroughGpu
 from dra_driver.devices.topology import nvlink_islands
 from dra_driver.devices.types import FabricState, Gpu, Inventory, MigDevice, MigProfile, Placement
 from dra_driver.resources.capacity import consumable_capacity, share_policy
@@ -45,6 +53,7 @@ from dra_driver.resources.naming import (
     maintenance_device_name,
     memory_slice_counter,
     mig_device_name,
+    passthrough_device_name,
     require_dns_label,
 )
 from dra_driver.resources.partitions import ENGINE_COUNTERS, gpu_totals, partition_budget, profile_share
@@ -54,6 +63,7 @@ from dra_driver.resources.wire import (
     Device,
     DeviceAttribute,
     DeviceCapacity,
+    DeviceCounterConsumption,
     DeviceTaint,
 )
 
@@ -138,6 +148,7 @@ def build_devices(
     taints: Mapping[str, Sequence[DeviceTaint]] | None = None,
     maintenance: bool = False,
     consumable: bool = False,
+    passthrough: Mapping[str, PassthroughGpu] | None = None,
 ) -> list[GpuDevices]:
     """The devices of every GPU in ``inventory``, ordered by minor number.
 
@@ -146,7 +157,9 @@ def build_devices(
     devices the driver created for claims; every other MIG device is static. ``taints`` maps a
     device name to the taints to publish on it (names not published here are ignored).
     ``maintenance`` adds each GPU's maintenance device (see :func:`maintenance_device`).
-    ``consumable`` makes every full GPU shareable (see :func:`shareable`).
+    ``consumable`` makes every full GPU shareable (see :func:`shareable`). ``passthrough`` maps
+    the PCI address of each GPU that can be passed through to its passthrough details; those
+    GPUs get a passthrough device (see :func:`passthrough_device`) while their MIG mode is off.
     """
     result: list[GpuDevices] = []
     islands = nvlink_islands(inventory.gpus)
@@ -154,6 +167,9 @@ def build_devices(
         gpu_devices = _gpu_devices(
             inventory, gpu, partition(gpu) and offers_partitions(gpu), owned_mig_uuids, islands.get(gpu.uuid)
         )
+        place = (passthrough or {}).get(gpu.pci_bus_id)
+        if place is not None and not gpu.mig_enabled and not gpu.mig_devices:
+            gpu_devices = _with_passthrough(gpu, gpu_devices, place)
         if consumable:
             gpu_devices = GpuDevices(
                 devices=tuple(
@@ -241,6 +257,59 @@ def _gpu_devices(
         ]
         devices.append(device)
     return GpuDevices(devices=tuple(devices), counter_set=counter_set)
+
+
+PASSTHROUGH_TYPE = "vfio"  # NVIDIA's: its DeviceClass vfio.gpu.nvidia.com selects it
+
+
+def passthrough_device(gpu: Gpu, place: PassthroughGpu) -> Device:
+    """``gpu-vfio-<index>``: the GPU bound to vfio-pci for a virtual machine, as NVIDIA's driver has it.
+
+    Its ``uuid`` is NVIDIA's too, a name-based UUID of the PCI address (the GPU's own uuid is
+    NVML's, which cannot be read while the GPU is on vfio-pci). NVIDIA's ``addressableMemory``
+    (the size of the GPU's memory BARs) is not published.
+    """
+    attributes: dict[str, DeviceAttribute] = {
+        "type": {"string": PASSTHROUGH_TYPE},
+        "uuid": {"string": str(uuid_module.uuid5(uuid_module.NAMESPACE_DNS, place.address))},
+        "deviceID": {"string": f"0x{gpu.pci_device_id:04x}"},
+        "vendorID": {"string": f"0x{gpu.pci_vendor_id:04x}"},
+        "productName": {"string": gpu.product_name},
+        "iommuFDEnabled": {"bool": place.iommufd},
+        PCI_BUS_ID: {"string": place.address},
+    }
+    if gpu.pcie_root:
+        attributes[PCIE_ROOT] = {"string": gpu.pcie_root}
+    if gpu.numa_node is not None:
+        attributes[NUMA_NODE] = {"int": gpu.numa_node}
+    return {
+        "name": require_dns_label(passthrough_device_name(place.index), "device name"),
+        "attributes": attributes,
+        "capacity": {},
+    }
+
+
+def _with_passthrough(gpu: Gpu, devices: GpuDevices, place: PassthroughGpu) -> GpuDevices:
+    """``devices`` and the GPU's passthrough device, which consumes its whole counter set."""
+    counter_set = devices.counter_set
+    found = list(devices.devices)
+    if counter_set is None:
+        counter_set = {
+            "name": require_dns_label(counter_set_name(gpu.minor), "counter set name"),
+            "counters": {"memory": _counter(gpu.memory_bytes)},
+        }
+        whole = gpu_device_name(gpu.minor)
+        found = [
+            {**device, "consumesCounters": [_all_of(counter_set)]} if device["name"] == whole else device
+            for device in found
+        ]
+    device = passthrough_device(gpu, place)
+    device["consumesCounters"] = [_all_of(counter_set)]
+    return GpuDevices(devices=(*found, device), counter_set=counter_set)
+
+
+def _all_of(counter_set: CounterSet) -> DeviceCounterConsumption:
+    return {"counterSet": counter_set["name"], "counters": dict(counter_set["counters"])}
 
 
 def _common_attributes(inventory: Inventory, gpu: Gpu) -> dict[str, DeviceAttribute]:

@@ -58,6 +58,14 @@ def mig_device_name(parent_minor: int, profile: str, profile_id: int, placement_
     return f"gpu-{parent_minor}-mig-{mig_profile_label(profile)}-{profile_id}-{placement_start}"
 
 
+PASSTHROUGH_PREFIX = "gpu-vfio-"
+
+
+def passthrough_device_name(index: int) -> str:
+    """``gpu-vfio-<index>``: NVIDIA's name of a GPU's passthrough device, by its place in PCI order."""
+    return f"{PASSTHROUGH_PREFIX}{index}"
+
+
 def counter_set_name(minor: int) -> str:
     """``gpu-<minor>-counter-set``: the counters one physical GPU's partitions share."""
     return f"gpu-{minor}-counter-set"

@@ -115,10 +115,10 @@ def test_templates_and_classes_are_checked_too(kind: str, wrap: Any) -> None:
 
 
 def test_every_bad_entry_is_named_at_once() -> None:
-    vfio = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "VfioDeviceConfig"}
+    vfio = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "VfioDeviceConfig", "iommu": {"x": 1}}
     message = answer(claim([opaque(MISSPELT), opaque(vfio)]))["status"]["message"]
     assert "config[0]" in message
-    assert "config[1] (FromClaim, all requests): kind: VfioDeviceConfig" in message
+    assert "config[1] (FromClaim, all requests): iommu.x: Extra inputs are not permitted" in message
 
 
 # Capacity requests no device of the driver could ever take (dra_driver.resources.capacity_fit).

@@ -277,14 +277,16 @@ def schema_for(kind: str) -> dict[str, Any]:
     return loaded
 
 
-@pytest.mark.parametrize("kind", ["GpuConfig", "MigDeviceConfig"])
+@pytest.mark.parametrize("kind", ["GpuConfig", "MigDeviceConfig", "VfioDeviceConfig"])
 def test_schema_is_valid_json_schema(kind: str) -> None:
     jsonschema.Draft202012Validator.check_schema(schema_for(kind))
     assert set(json_schemas()) == {
         "v1alpha1/GpuConfig.json",
         "v1alpha1/MigDeviceConfig.json",
+        "v1alpha1/VfioDeviceConfig.json",
         "resource.nvidia.com/v1beta1/GpuConfig.json",
         "resource.nvidia.com/v1beta1/MigDeviceConfig.json",
+        "resource.nvidia.com/v1beta1/VfioDeviceConfig.json",
     }
 
 

@@ -118,9 +118,8 @@ def test_nvidia_config_means_the_same_in_our_api(parameters: dict[str, Any], our
         ),
         (nvidia(metadata={"name": "x"}), "metadata: Extra inputs are not permitted"),
         (
-            nvidia("VfioDeviceConfig", iommu={"backendPolicy": "LegacyOnly"}),
-            "kind: VfioDeviceConfig of resource.nvidia.com/v1beta1: VFIO passthrough (NVIDIA's "
-            "PassthroughSupport feature) is not supported",
+            nvidia("VfioDeviceConfig", iommu={"backendPolicy": "Legacy"}),
+            "iommu.backendPolicy: Input should be 'LegacyOnly' or 'PreferIommuFD'",
         ),
         (
             nvidia("ComputeDomainChannelConfig"),
@@ -129,7 +128,7 @@ def test_nvidia_config_means_the_same_in_our_api(parameters: dict[str, Any], our
         (
             nvidia("TpuConfig"),
             "kind: 'TpuConfig' is not a kind of resource.nvidia.com/v1beta1 this driver serves; "
-            "use GpuConfig or MigDeviceConfig",
+            "use GpuConfig or MigDeviceConfig or VfioDeviceConfig",
         ),
     ],
 )

@@ -32,6 +32,11 @@ is cancelled while every crash point still raises. The crashed instance is never
 (MPS daemons are processes and survive a real SIGKILL; an in-process crash may stop them while
 unwinding, which the driver must cope with too.)
 
+A passthrough claim moves its GPU to vfio-pci on the simulated sysfs tree (copied and put back
+with the rest at a crash): no GPU stays there once no claim may hold it, unless a lost state
+forgot a crashed prepare's GPU before its spec was written, which the node then takes for an
+administrator's (docs/passthrough.md).
+
 Compute-domain channels are not prepared here (the compute-domain plugin does), so they are not
 among the kinds. ``e2e/reliability`` runs this machine with many more examples (``make
 reliability``) and reports its counts.
@@ -86,6 +91,7 @@ class Kind(enum.StrEnum):
     SHARE = "share"
     TIME_SLICING = "time-slicing"
     MPS = "mps"
+    PASSTHROUGH = "passthrough"
 
 
 # What each kind may be allocated. gpu-0 is a free H100 (full, or MIG devices the driver makes),
@@ -106,7 +112,10 @@ DEVICES: dict[Kind, tuple[str, ...]] = {
     Kind.SHARE: ("gpu-4", "gpu-5"),
     Kind.TIME_SLICING: ("gpu-2", "gpu-3"),
     Kind.MPS: ("gpu-2", "gpu-3"),
+    Kind.PASSTHROUGH: ("gpu-vfio-0", "gpu-vfio-3"),
 }
+# The passthrough devices' GPUs: on the simulated node the PCI order is the minors' (checked at start).
+PASSTHROUGH_OF = {"gpu-vfio-0": "gpu-0", "gpu-vfio-3": "gpu-3"}
 CHANGES_GPU_SETTINGS = (Kind.TIME_SLICING, Kind.MPS, Kind.SHARE)
 # Issue 20: a claim rebuilt from its CDI spec keeps all that prepare recorded, its MIG device too,
 # so that its unprepare destroys that device even after the data directory was lost. False: such
@@ -116,8 +125,9 @@ MIG_DEVICE_SURVIVES_LOST_STATE = True
 
 
 def units(device: str) -> frozenset[tuple[str, int]]:
-    """The memory slices ``device`` occupies: all of a full GPU's, or a MIG placement's own."""
-    gpu, _, mig = device.partition("-mig-")
+    """The memory slices ``device`` occupies: all of a full GPU's (a passthrough device's too), or a
+    MIG placement's own."""
+    gpu, _, mig = PASSTHROUGH_OF.get(device, device).partition("-mig-")
     if not mig:
         return frozenset((gpu, s) for s in range(SLICES))
     profile, _, start = mig.split("-")
@@ -281,6 +291,13 @@ def _restore_tree(copy: Path, live: Path) -> int:
             changed += 1
     for entry in copy.iterdir():
         target = live / entry.name
+        if entry.is_symlink():  # sysfs's driver links
+            if not target.is_symlink() or target.readlink() != entry.readlink():
+                if target.is_symlink() or target.exists():
+                    target.unlink()
+                target.symlink_to(entry.readlink())
+                changed += 1
+            continue
         if entry.is_dir() and not entry.is_symlink():
             changed += _restore_tree(entry, target)
         elif entry.is_file() and not (target.is_file() and filecmp.cmp(entry, target, shallow=False)):
@@ -309,6 +326,10 @@ class NodeStateModel(RuleBasedStateMachine):
         self.root = Path(tempfile.mkdtemp(prefix="state-model-"))
         self.node: Node = make_node(self.root)
         self.node.backend.admin_create_mig(1, "3g.40gb", 0)  # the static MIG device
+        self.passthrough = self.node.backend.pci().passthrough_gpus()
+        self.gpu_addresses = {f"gpu-{g.minor}": g.pci_bus_id for g in self.node.backend.inventory().gpus}
+        for device, gpu in PASSTHROUGH_OF.items():
+            assert f"gpu-vfio-{self.passthrough[self.gpu_addresses[gpu]].index}" == device
         self.loop = asyncio.new_event_loop()
         self.crashes = CrashPoints((self.data_dir, self.node.cdi_dir, self.root / "sim"))
         self.crashes.loop = self.loop
@@ -351,7 +372,7 @@ class NodeStateModel(RuleBasedStateMachine):
     def _start(self, crash: tuple[str, int] | None = None) -> None:
         """A new plugin instance on the node's directories; ``crash``: one dies while it recovers."""
         if crash is not None:
-            dying = self.node.preparer(consumable=True)
+            dying = self.node.preparer(consumable=True, passthrough=self.passthrough)
             with self.crashes.armed(*crash):
                 try:
                     self.run(self.crashes.dying(dying.start()))
@@ -362,7 +383,7 @@ class NodeStateModel(RuleBasedStateMachine):
                 else:
                     self.instances.append(dying)
                     return
-        preparer = self.node.preparer(consumable=True)
+        preparer = self.node.preparer(consumable=True, passthrough=self.passthrough)
         self.run(preparer.start())
         self.instances.append(preparer)
 
@@ -402,6 +423,10 @@ class NodeStateModel(RuleBasedStateMachine):
             c.kind is Kind.MIG_DYNAMIC and c.device.startswith(f"{claim.device}-mig-") for c in others
         ):
             return None  # a full GPU is not given while it has MIG devices, not even to look at it
+        if claim.admin and any(
+            c.kind is Kind.PASSTHROUGH and units(c.device) & units(claim.device) for c in others
+        ):
+            return None  # a GPU on vfio-pci is gone from NVML's view, so not even looked at
         if claim.share:
             shares = [c for c in others if c.share and c.device == claim.device]
             if (len(shares) + 1) * SHARE_MEMORY_GIB > 22:
@@ -562,6 +587,12 @@ class NodeStateModel(RuleBasedStateMachine):
                 self.kept_mig.add(claim.device)
             if claim.may_hold and claim.kind in CHANGES_GPU_SETTINGS:
                 self.settings_forgotten.add(claim.device)
+            if (
+                claim.may_hold
+                and claim.kind is Kind.PASSTHROUGH
+                and claim.ref.uid not in self.node.specs.claim_uids()
+            ):
+                self.kept_mig.add(claim.device)  # on vfio-pci with no spec to tell whose: an administrator's
         for path in sorted(self.data_dir.rglob("*"), reverse=True):
             if how == "deleted":
                 if path.is_dir() and not path.is_symlink():
@@ -634,6 +665,15 @@ class NodeStateModel(RuleBasedStateMachine):
                 name = f"gpu-{gpu.minor}-mig-{profile}-{mig.profile_id}-{mig.placement.start}"
                 if name != STATIC_MIG:
                     assert name in holding, f"MIG device {name} is left with no claim" + self._history()
+
+    @invariant()
+    def no_gpu_stays_on_vfio_pci_without_a_claim(self) -> None:
+        pci = self.node.backend.pci()
+        for device, gpu in PASSTHROUGH_OF.items():
+            if device in self.kept_mig or any(c.may_hold and c.device == device for c in self.model):
+                continue
+            driver = pci.driver(self.gpu_addresses[gpu])
+            assert driver == "nvidia", f"{gpu} is on {driver} with no claim of {device}" + self._history()
 
     @invariant()
     def a_node_with_no_claim_is_clean(self) -> None:

@@ -16,6 +16,7 @@ from dra_driver.node.records import (
     DeviceRecord,
     GpuPolicyRecord,
     MigRecord,
+    PassthroughRecord,
     Phase,
     SharingRecord,
     SharingState,
@@ -134,6 +135,45 @@ def test_shares_of_a_gpu_that_together_exceed_its_memory_are_refused(store: Stor
     store.commit(Reserve("s2", record("s2", share("b", 30))))  # what fits is still given
     store.commit(Release("s1"))
     store.commit(Reserve("s3", record("s3", share("c", 50))))
+
+
+def passthrough(name: str = "gpu-vfio-0", parent: str = "gpu-0") -> DeviceRecord:
+    return DeviceRecord(
+        request="gpu",
+        pool="node-a",
+        device=name,
+        cdi_device_ids=(f"k/c={name}",),
+        passthrough=PassthroughRecord(parent_device=parent, pci_bus_id="0000:3b:00.0"),
+    )
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        pytest.param(device("gpu-0"), id="full"),
+        pytest.param(device("gpu-0-mig-1g10gb-19-5"), id="static-mig"),
+        pytest.param(device("gpu-0-mig-3g40gb-9-4", mig=placement(4, 4)), id="dynamic-mig"),
+        pytest.param(device("gpu-0", share="a"), id="share"),
+    ],
+)
+def test_a_passed_through_gpu_excludes_every_other_use_of_it_and_back(
+    store: Store, other: DeviceRecord
+) -> None:
+    store.commit(Reserve("vm", record("vm", passthrough())))
+    message = refused(store, "pod", record("pod", other))
+    assert "passed through to a virtual machine (gpu-vfio-0) for claim ns/claim-vm (vm)" in message or (
+        other.share_id is not None and "prepared exclusively for claim ns/claim-vm" in message
+    )
+    assert "already prepared" in refused(store, "vm2", record("vm2", passthrough()))
+    store.commit(Reserve("elsewhere", record("elsewhere", "gpu-1")))  # another GPU is free
+    store.commit(Release("vm"))
+    store.commit(Reserve("pod", record("pod", other)))
+    message = refused(store, "vm", record("vm", passthrough()))
+    assert "cannot be passed through (gpu-vfio-0): claim ns/claim-pod (pod) holds" in message or (
+        other.share_id is not None and "holds a share of gpu-0" in message
+    )
+    store.commit(Release("pod"))
+    store.commit(Reserve("vm", record("vm", passthrough())))
 
 
 def test_records_are_replaced_only_by_the_attempt_that_saw_them(store: Store) -> None:

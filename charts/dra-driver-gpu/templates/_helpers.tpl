@@ -82,24 +82,28 @@ reviewed, whatever the tag points at later), else repository:tag.
 gpu.nvidia.com -> maintenance.nvidia.com: the class of the GPUs' maintenance devices, which only
 admin-access requests may use (templates/maintenance.yaml).
 */}}
+{{- define "dra-driver-gpu.vfioClassName" -}}
+{{- printf "vfio.%s" .Values.driverName -}}
+{{- end -}}
+
 {{- define "dra-driver-gpu.maintenanceClassName" -}}
 {{- .Values.deviceClasses.maintenance.name | default (printf "maintenance.%s" (trimPrefix "gpu." .Values.driverName)) -}}
 {{- end -}}
 
 {{/*
 The optional features, after featureGates (docs/configuration.md, "Feature gates"), as YAML for
-fromYaml: computeDomains, maintenanceDevices, nodeLabels, deviceMetadata, mps and
+fromYaml: computeDomains, maintenanceDevices, nodeLabels, deviceMetadata, passthrough, mps and
 imexDaemonsWithDNSNames (booleans) and migPartitions. A gate that is set wins over the value it is
-named after (NodeLabels -> nodeLabels; NVIDIA's DeviceMetadata -> deviceMetadata, which here needs no
-PassthroughSupport); NVIDIA's DynamicMIG
+named after (NodeLabels -> nodeLabels, PassthroughSupport -> passthrough; NVIDIA's DeviceMetadata ->
+deviceMetadata, which here needs no PassthroughSupport); NVIDIA's DynamicMIG
 maps to migPartitions (false: none; true: the list of GPUs, or else all). NVIDIA's gates for
 what this driver always does, or never does, are accepted where they agree and refused with the
 reason where they do not, so a values file written for NVIDIA's chart never silently means less.
 */}}
 {{- define "dra-driver-gpu.features" -}}
 {{- $gates := .Values.featureGates | default dict -}}
-{{- $features := dict "computeDomains" .Values.computeDomains "maintenanceDevices" .Values.maintenanceDevices "nodeLabels" .Values.nodeLabels "deviceMetadata" .Values.deviceMetadata "migPartitions" .Values.migPartitions -}}
-{{- range $gate, $value := dict "ComputeDomains" "computeDomains" "MaintenanceDevices" "maintenanceDevices" "NodeLabels" "nodeLabels" "DeviceMetadata" "deviceMetadata" -}}
+{{- $features := dict "computeDomains" .Values.computeDomains "maintenanceDevices" .Values.maintenanceDevices "nodeLabels" .Values.nodeLabels "deviceMetadata" .Values.deviceMetadata "migPartitions" .Values.migPartitions "passthrough" .Values.passthrough -}}
+{{- range $gate, $value := dict "ComputeDomains" "computeDomains" "MaintenanceDevices" "maintenanceDevices" "NodeLabels" "nodeLabels" "DeviceMetadata" "deviceMetadata" "PassthroughSupport" "passthrough" -}}
 {{- if hasKey $gates $gate -}}
 {{- $_ := set $features $value (index $gates $gate) -}}
 {{- end -}}
@@ -126,9 +130,6 @@ Deployments at all and leaves MPS claims refused on a real node. */ -}}
 {{- if and (hasKey $gates $gate) (not (index $gates $gate)) -}}
 {{- fail (printf "featureGates.%s=false: this driver always serves %s and cannot switch them off; leave the gate out" $gate $what) -}}
 {{- end -}}
-{{- end -}}
-{{- if $gates.PassthroughSupport -}}
-{{- fail "featureGates.PassthroughSupport=true: VFIO passthrough is not supported: this driver publishes no gpu-vfio-* devices and never binds a GPU to vfio-pci" -}}
 {{- end -}}
 {{- toYaml $features -}}
 {{- end -}}
