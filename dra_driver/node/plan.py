@@ -128,6 +128,7 @@ from dra_driver.resources.devices import (
     device_attributes,
     offers_partitions,
     partition_all,
+    passthrough_device,
 )
 from dra_driver.resources.naming import (
     PASSTHROUGH_PREFIX,
@@ -319,7 +320,9 @@ class ClaimPlan:
 
     def _metadata_device(self, device: PlannedDevice, inventory: Inventory) -> MetadataDevice:
         target, gpu = device.target, device.target.gpu
-        if device.result.device == maintenance_device_name(gpu.minor):
+        if target.passthrough is not None:  # what KubeVirt reads: the PCI address of the VM's GPU
+            attributes = passthrough_device(gpu, target.passthrough)["attributes"]
+        elif device.result.device == maintenance_device_name(gpu.minor):
             attributes = device_attributes(inventory, gpu, maintenance=True)
         elif target.is_mig:
             attributes = device_attributes(inventory, gpu, mig=(_profile(target), target.uuid))

@@ -217,23 +217,26 @@ async def test_after_a_reboot_no_file_of_the_earlier_boot_is_left(node: Node) ->
 def test_every_device_the_node_publishes_is_described_as_published(node: Node) -> None:
     """Whatever kind a published device is, its file carries the attributes its slice does.
 
-    Planned, not prepared: every full GPU, an administrator's MIG device and every maintenance device
-    (admin access only). A placement is described once its MIG device
+    Planned, not prepared: every full GPU, an administrator's MIG device, every maintenance device
+    (admin access only) and every passthrough device. A placement is described once its MIG device
     exists (test_a_created_mig_device_is_described_with_its_uuid). A new kind of device that the
     pool publishes but the metadata describes otherwise fails here.
     """
     node.backend.admin_set_mig_mode(1, True)
     node.backend.admin_create_mig(1, "3g.40gb", 4)
     inventory = node.backend.inventory()
-    settings = Settings(driver_name=DRIVER, node_name=NODE)
-    devices = [d for s in desired_slices(settings, inventory) for d in s.devices]
+    settings = Settings(driver_name=DRIVER, node_name=NODE, passthrough=True)
+    passthrough = node.backend.pci().passthrough_gpus()
+    devices = [d for s in desired_slices(settings, inventory, passthrough=passthrough) for d in s.devices]
     source = MetadataSource(Path("/plugins") / DRIVER, inventory)
     described = 0
     for device in devices:
         ref = new_ref()
         options: dict[str, Any] = {"admin_access": True} if device["name"].endswith("-maintenance") else {}
         claim = allocated_claim(ref, claim_json(ref, [result(device["name"], **options)]), DRIVER, NODE)
-        planned = plan_claim(claim, inventory, DRIVER, common_edits(inventory, None), metadata=source)
+        planned = plan_claim(
+            claim, inventory, DRIVER, common_edits(inventory, None), metadata=source, passthrough=passthrough
+        )
         if planned.to_create:
             continue
         (content,) = planned.metadata_files.values()
@@ -242,5 +245,5 @@ def test_every_device_the_node_publishes_is_described_as_published(node: Node) -
         assert entry["attributes"] == device["attributes"], device["name"]
         described += 1
     kinds = {d["attributes"]["type"]["string"] for d in devices if "uuid" in d["attributes"]}
-    assert kinds == {"gpu", "mig", "maintenance"}
+    assert kinds == {"gpu", "mig", "maintenance", "vfio"}
     assert described == sum(1 for d in devices if "uuid" in d["attributes"])
