@@ -19,6 +19,11 @@ profile's instance count) are not offered at all, and the capacities are those o
 MIG devices the driver created itself are published as their placement, under the same name,
 so an allocated device keeps its name and its counter accounting.
 
+With binding conditions on (KEP-5007, :mod:`dra_driver.node.binding`), each placement to create
+says so: ``bindingConditions: [Ready]`` and ``bindingFailureConditions: [PrepareFailed]``, so that
+the scheduler binds a pod only once its MIG device exists. Full GPUs and existing MIG devices need
+no preparation that can fail after allocation and get none: the scheduler prefers them.
+
 Attribute names are NVIDIA's (unqualified, i.e. in the driver's domain), so CEL written for
 NVIDIA's driver works when this one is deployed under that driver name.
 
@@ -65,6 +70,9 @@ NVLINK_CLIQUE = "nvlinkClique"
 PCIE_SWITCH = "pcieSwitch"
 # NVIDIA's driver published the bus id under its own domain up to v25.8; claims may still use it.
 LEGACY_PCIE_BUS_ID = "pcieBusID"
+# The device conditions of KEP-5007 that the plugin reports in the claim's status.devices.
+READY_CONDITION = "Ready"  # the type the API's own docs name for a configured device
+FAILED_CONDITION = "PrepareFailed"
 DEVICE_TAINTS_MAX = 16  # per device, API limit
 ATTRIBUTES_AND_CAPACITIES_MAX = 32  # per device, API limit
 
@@ -138,6 +146,7 @@ def build_devices(
     taints: Mapping[str, Sequence[DeviceTaint]] | None = None,
     maintenance: bool = False,
     consumable: bool = False,
+    binding_conditions: bool = False,
 ) -> list[GpuDevices]:
     """The devices of every GPU in ``inventory``, ordered by minor number.
 
@@ -147,12 +156,18 @@ def build_devices(
     device name to the taints to publish on it (names not published here are ignored).
     ``maintenance`` adds each GPU's maintenance device (see :func:`maintenance_device`).
     ``consumable`` makes every full GPU shareable (see :func:`shareable`).
+    ``binding_conditions`` gives every placement to create the binding conditions of the module doc.
     """
     result: list[GpuDevices] = []
     islands = nvlink_islands(inventory.gpus)
     for gpu in sorted(inventory.gpus, key=lambda g: g.minor):
         gpu_devices = _gpu_devices(
-            inventory, gpu, partition(gpu) and offers_partitions(gpu), owned_mig_uuids, islands.get(gpu.uuid)
+            inventory,
+            gpu,
+            partition(gpu) and offers_partitions(gpu),
+            owned_mig_uuids,
+            islands.get(gpu.uuid),
+            binding_conditions,
         )
         if consumable:
             gpu_devices = GpuDevices(
@@ -193,7 +208,12 @@ def offers_partitions(gpu: Gpu) -> bool:
 
 
 def _gpu_devices(
-    inventory: Inventory, gpu: Gpu, partitioned: bool, owned: Collection[str], island: str | None
+    inventory: Inventory,
+    gpu: Gpu,
+    partitioned: bool,
+    owned: Collection[str],
+    island: str | None,
+    binding_conditions: bool,
 ) -> GpuDevices:
     common = _common_attributes(inventory, gpu)
     links = _link_attributes(gpu, island)
@@ -239,6 +259,9 @@ def _gpu_devices(
                 },
             }
         ]
+        if binding_conditions:
+            device["bindingConditions"] = [READY_CONDITION]
+            device["bindingFailureConditions"] = [FAILED_CONDITION]
         devices.append(device)
     return GpuDevices(devices=tuple(devices), counter_set=counter_set)
 
