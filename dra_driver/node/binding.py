@@ -199,6 +199,11 @@ class BindingWatcher:
             if uid not in listed:
                 self._submit(uid, None)
 
+    async def idle(self) -> None:
+        """Return once no claim's work runs, work queued meanwhile included."""
+        while self._busy:
+            await asyncio.gather(*self._busy.values(), return_exceptions=True)
+
     async def stop(self) -> None:
         """Cancel the claims' work (the preparer shields what must not stop half-way)."""
         for task in list(self._busy.values()):

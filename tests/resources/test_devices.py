@@ -327,7 +327,8 @@ def test_with_binding_conditions_only_the_placements_to_create_wait_for_the_node
 def test_without_binding_conditions_no_device_carries_them() -> None:
     for gpu in build_devices(inventory(h100(0), a100_40gb(1))):
         for device in gpu.devices:
-            assert "bindingConditions" not in device and "bindingFailureConditions" not in device
+            assert "bindingConditions" not in device
+            assert "bindingFailureConditions" not in device
 
 
 def test_a_full_gpu_never_waits_for_binding() -> None:
