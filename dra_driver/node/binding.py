@@ -54,7 +54,9 @@ from dra_driver.resources.devices import FAILED_CONDITION, READY_CONDITION
 log = structlog.get_logger(__name__)
 
 CLAIMS_PATH = "/apis/resource.k8s.io/v1/resourceclaims"
-RESYNC_S = 60.0  # the watch is listed again this often: a missed event is repaired within it
+# The watch is listed again this often (and after any failure of it): a missed event is repaired
+# within it. Every node lists every claim of the cluster then, so not often.
+RESYNC_S = 300.0
 _WRITE_ATTEMPTS = 6
 _NOT_RETRIED = {404, 409, 422}  # the claim is gone or changed, or the content refused
 _MESSAGE_MAX = 1024  # a condition's message may hold 32 KiB; the pod's event shows it whole
@@ -235,7 +237,7 @@ class BindingWatcher:
     async def _settle(self, uid: str, claim: Mapping[str, Any] | None) -> None:
         devices = waiting_devices(claim, self._driver, self._pool) if claim is not None else ()
         ahead = self._preparer.ahead_of_binding().get(uid)
-        if ahead is not None and {d.device for d in ahead.devices} != {d.device for d in devices}:
+        if ahead is not None and {d.device for d in ahead.devices} != self._allocated(claim):
             # The pod will not come for what was made: the claim is gone, or its allocation was
             # taken back (a failed or timed-out binding) or is another one now.
             await self._undo(ClaimRef(ahead.namespace, ahead.name, uid))
@@ -249,6 +251,18 @@ class BindingWatcher:
             log.info("preparing ahead of the pod's binding", devices=[d.device for d in devices])
             outcome = await self._preparer.prepare_ahead(ref)
             await self._answer(ref, devices, outcome)
+
+    def _allocated(self, claim: Mapping[str, Any] | None) -> set[str]:
+        """The devices of ours the claim is allocated now, waited on or not (a claim prepared ahead
+        may hold a full GPU beside its MIG device)."""
+        if claim is None:
+            return set()
+        results = ((claim.get("status") or {}).get("allocation") or {}).get("devices", {}).get("results")
+        return {
+            str(r["device"])
+            for r in results or ()
+            if r.get("driver") == self._driver and r.get("pool") == self._pool
+        }
 
     async def _undo(self, ref: ClaimRef) -> None:
         outcome = (await self._preparer.unprepare([ref]))[ref.uid]

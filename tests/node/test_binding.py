@@ -260,3 +260,21 @@ async def test_claims_without_binding_conditions_are_the_kubelets_alone(node: No
     await watcher.idle()
     assert node.observer.prepares == []
     assert live_migs(node) == []
+
+
+async def test_a_claim_with_a_full_gpu_beside_its_mig_device_is_kept_while_it_waits(node: Node) -> None:
+    preparer = await node.started()
+    watcher = watcher_of(preparer, RecordedStatus())
+    ref = new_ref()
+    claim = claim_json(ref, [result("gpu-1"), result(PLACEMENT) | WAITING])  # only the placement waits
+    node.claims.put(claim)
+    await watcher.on_event("ADDED", claim)
+    await watcher.idle()
+    made = live_migs(node)
+
+    await watcher.on_event("SYNC", claim)  # the next listing, before the pod is bound
+    await watcher.idle()
+
+    assert live_migs(node) == made  # neither destroyed nor made again
+    assert node.observer.unprepares == []
+    assert node.on_disk().claims[ref.uid].ahead_of_binding
