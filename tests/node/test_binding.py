@@ -10,6 +10,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+from dra_driver import state_command
 from dra_driver.node.binding import (
     BindingWatcher,
     WaitingDevice,
@@ -135,12 +136,15 @@ async def test_the_mig_device_is_made_before_binding_and_the_kubelets_prepare_fi
         f"{DRIVER}/binding"
     }  # not the health writer's manager: neither undoes the other
     assert node.on_disk().claims[ref.uid].ahead_of_binding
+    shown = state_command.render(state_command.read(node.state_dir), "table")
+    assert "PrepareCompleted (ahead of binding)" in shown  # what `dra-driver state` tells an operator
 
     outcome = await preparer.prepare([ref])  # the pod is bound: the kubelet asks
 
     assert not isinstance(outcome[ref.uid], ClaimError)
     assert live_migs(node) == [made]  # the same device, not a second one
     assert not node.on_disk().claims[ref.uid].ahead_of_binding  # the kubelet's now
+    assert "ahead of binding" not in state_command.render(state_command.read(node.state_dir), "table")
     assert node.observer.prepares == [True, True]
 
 
