@@ -476,6 +476,7 @@ class BindingWatch:
             self.watcher.on_event,
             resync_seconds=RESYNC_S,
             on_listed=self.watcher.on_listed,
+            retry_seconds=5.0,  # a refusal (a chart without list on claims) logs every 5 s, not every 1 s
         )
 
 
