@@ -52,9 +52,9 @@ class TaintsOnRecovery(StrEnum):
 
 
 class BindingConditions(StrEnum):
+    OFF = "off"
     AUTO = "auto"  # on where the API server's release has them on by default (1.36 and newer)
     ON = "on"
-    OFF = "off"
 
 
 class Settings(BaseModel):
@@ -227,10 +227,11 @@ class Settings(BaseModel):
             description="Publish MIG placements (created at prepare) with binding conditions (KEP-5007): "
             "the scheduler binds a pod only once the plugin has created its MIG device and reported it "
             "Ready in the claim's status, and schedules it again if that fails (docs/binding-conditions.md). "
-            "auto: on where the API server is 1.36 or newer (the gate DRADeviceBindingConditions is on "
-            "by default there); on; off."
+            "off (default: Kubernetes 1.36 and 1.37 refuse every status write to some claims, whose pods "
+            "would then wait out the scheduler's timeout); auto: on where the API server is 1.36 or newer "
+            "(the gate DRADeviceBindingConditions is on by default there); on."
         ),
-    ] = BindingConditions.AUTO
+    ] = BindingConditions.OFF
     consumable_capacity: Annotated[
         bool,
         Field(

@@ -50,6 +50,7 @@ def binding_node(
         tmp_path_factory.mktemp("node-binding"),
         "node-binding",
         profile=PROFILE,
+        driver_args=["--binding-conditions=auto"],  # off by default (docs/binding-conditions.md)
     )
     try:
         node.start()
@@ -159,7 +160,8 @@ def test_a_failed_mig_creation_sends_the_pod_back_to_the_scheduler_with_the_reas
             return None
 
         message = wait_until(failure_reported, timeout_seconds=90, waiting_for="the binding failure's event")
-        assert "PrepareFailed" in message or "binding" in message.lower()
+        assert "device binding failed" in message  # the scheduler's words, then the driver's
+        assert "reason=PrepareFailed" in message
         current = rest.get(pod_path(namespace, "failing"))
         assert not current["spec"].get("nodeName"), "a pod whose MIG device failed was bound"
         assert live_mig_devices(node, 1) == []  # the failed prepare left nothing behind
