@@ -33,6 +33,9 @@ the devices of its own pool of a claim allocated to its node (RBAC ``associated-
 chart's admission policy). Which claims carry binding conditions is read from the claim alone, so
 another kind of device (a ComputeDomain channel waiting for its IMEX daemon) can use this watcher
 by publishing its own binding conditions and preparing through the same ``prepare_ahead``.
+
+Off by default (``--binding-conditions``): Kubernetes 1.36 and 1.37 refuse every status write to
+some claims (docs/binding-conditions.md), whose pods would then wait out the scheduler's timeout.
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ One prepare, for one claim::
        started and waited for (:mod:`dra_driver.node.sharing.applier`)
     -> write the CDI spec -> commit PrepareCompleted -> answer
 
+With binding conditions (:mod:`dra_driver.node.binding`) the same prepare runs earlier, started
+by the claim's watch before the pod is bound (:meth:`NodePreparer.prepare_ahead`); its record says
+so until the kubelet's prepare finds it done and takes it over.
+
 The one-step commit is safe because a spec on disk without a record is what recovery
 already treats as a prepared claim (:mod:`dra_driver.node.recovery`): after a crash
 between the two, the devices stay reserved until the kubelet's retry or unprepare. It
