@@ -14,6 +14,7 @@ import contextlib
 import gc
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,9 +38,11 @@ from dra_driver.devices.pci import PassthroughGpu
 from dra_driver.devices.simulated import STATE_FILE_NAME
 from dra_driver.devices.types import HealthState, Inventory
 from dra_driver.errors import StartupError
+from dra_driver.informer import list_and_watch
 from dra_driver.labels.gfd import gfd_labels
 from dra_driver.labels.labeller import NodeLabeller
 from dra_driver.memory import HeapTrimmer, settle_collector
+from dra_driver.node.binding import CLAIMS_PATH, RESYNC_S, BindingWatcher
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
 from dra_driver.node.claim_status import ApiServerClaimStatus, ClaimStatusWriter
 from dra_driver.node.events import report_conflicts
@@ -71,7 +74,14 @@ from dra_driver.resources.taints import (
 )
 from dra_driver.resources.wire import DeviceTaint
 from dra_driver.rest import JsonApi
-from dra_driver.settings import Settings, TaintsOnRecovery, partition_gpus, shm_size_bytes, xid_numbers
+from dra_driver.settings import (
+    BindingConditions,
+    Settings,
+    TaintsOnRecovery,
+    partition_gpus,
+    shm_size_bytes,
+    xid_numbers,
+)
 from dra_driver.startup import check_mig_partitions, load_kube_configuration, start_status_server
 
 if TYPE_CHECKING:  # only for the annotations: dra_driver.kube imports the client's machinery
@@ -133,9 +143,17 @@ def desired_slices(
             maintenance=settings.maintenance_devices,
             consumable=settings.consumable_capacity,
             passthrough=passthrough,
+            binding_conditions=binding_conditions_on(settings, rules),
         ),
         counters_beside_devices=rules.counters_beside_devices,
     )
+
+
+def binding_conditions_on(settings: Settings, rules: ServerRules) -> bool:
+    """Whether placements carry binding conditions: ``auto`` follows the release's default gate."""
+    if settings.binding_conditions is BindingConditions.AUTO:
+        return rules.binding_conditions
+    return settings.binding_conditions is BindingConditions.ON
 
 
 async def server_rules(api: ApiClient) -> ServerRules:
@@ -451,6 +469,36 @@ def mps_daemons(settings: Settings, api: ApiClient) -> MpsDaemons | None:
     )
 
 
+@dataclass(frozen=True)
+class BindingWatch:
+    """The watch of the claims allocated from the node's pool, for their binding conditions."""
+
+    watcher: BindingWatcher
+    api: JsonApi
+
+    async def run(self) -> None:
+        await list_and_watch(
+            self.api,
+            CLAIMS_PATH,
+            self.watcher.on_event,
+            resync_seconds=RESYNC_S,
+            on_listed=self.watcher.on_listed,
+            retry_seconds=5.0,  # a refusal (a chart without list on claims) logs every 5 s, not every 1 s
+        )
+
+
+def binding_watch(
+    settings: Settings, rules: ServerRules, api: ApiClient, preparer: NodePreparer
+) -> BindingWatch | None:
+    """The binding conditions' watch when the placements carry them (:mod:`dra_driver.node.binding`)."""
+    if not binding_conditions_on(settings, rules):
+        return None
+    watcher = BindingWatcher(
+        preparer, ApiServerClaimStatus(api), driver_name=settings.driver_name, pool=settings.node_name
+    )
+    return BindingWatch(watcher, JsonApi(api))
+
+
 def compute_domain_plugin(
     settings: Settings, api: ApiClient, inventory: Inventory, node_uid: str | None
 ) -> ComputeDomainPlugin | None:
@@ -583,6 +631,8 @@ async def _serve(
     plugin = kubelet.plugin
     kubelet.claims.ready(preparer)  # the claim calls held since the sockets opened go on now
 
+    binding = binding_watch(settings, rules, api, preparer)
+
     # The second driver, compute-domain.<domain>, on nodes of a multi-node NVLink clique.
     compute_domains = compute_domain_plugin(settings, api, inventory, own_node_uid)
 
@@ -623,6 +673,7 @@ async def _serve(
             asyncio.create_task(gpu_health.run()),
             asyncio.create_task(claim_status.run()),
             *([asyncio.create_task(labeller.run())] if labeller else []),
+            *([asyncio.create_task(binding.run())] if binding else []),
         ]
         if compute_domains is not None:
             tasks += [asyncio.create_task(task) for task in compute_domains.tasks()]
@@ -632,6 +683,8 @@ async def _serve(
         if compute_domains is not None:
             await compute_domains.stop()
         await plugin.stop()
+        if binding is not None:
+            await binding.watcher.stop()
         await preparer.drain(DRAIN_SECONDS)  # before serve_node closes the backend and the API client
         for task in tasks:
             task.cancel()

@@ -68,6 +68,7 @@ _INVENTORY_SETTINGS = [
     "consumable_capacity",
     "passthrough",
     "sysfs_root",
+    "binding_conditions",
     "log_format",
     "log_level",
 ]
@@ -192,6 +193,7 @@ def _parser() -> argparse.ArgumentParser:
         ("busy", "mark a GPU or MIG device in use (or free it with --free)"),
         ("create-mig", "create a MIG device as an administrator would (static MIG)"),
         ("mig-mode", "switch MIG mode as an administrator would"),
+        ("mig-creation", "make the driver's MIG device creation on a GPU wait or fail (a fault for tests)"),
     ):
         action = actions.add_parser(name, help=help_text)
         add_settings_flags(action, _SIMULATE_SETTINGS)
@@ -205,6 +207,13 @@ def _parser() -> argparse.ArgumentParser:
             action.add_argument("--start", type=int, required=True, help="placement start (memory slice)")
         if name == "mig-mode":
             action.add_argument("--off", action="store_true", help="disable instead of enable")
+        if name == "mig-creation":
+            action.add_argument(
+                "--mode",
+                choices=("ok", "held", "failing"),
+                required=True,
+                help="held: creations wait until ok (or failing); failing: they fail; ok: they work",
+            )
         action.set_defaults(run=_simulate)
 
     add_compute_domain_commands(commands)
@@ -387,6 +396,8 @@ def _apply_simulation(backend: SimulatedBackend, args: argparse.Namespace, gpu: 
         print(created.uuid)
     elif args.action == "mig-mode":
         backend.admin_set_mig_mode(gpu, not args.off)
+    elif args.action == "mig-creation":
+        backend.set_mig_creation(gpu, args.mode)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,12 @@ class TaintsOnRecovery(StrEnum):
     KEEP = "keep"
 
 
+class BindingConditions(StrEnum):
+    OFF = "off"
+    AUTO = "auto"  # on where the API server's release has them on by default (1.36 and newer)
+    ON = "on"
+
+
 class Settings(BaseModel):
     """Settings of ``dra-driver kubelet-plugin`` (and the offline ``inventory`` command).
 
@@ -215,6 +221,17 @@ class Settings(BaseModel):
             "admin-access claims may get (kubernetes/kubernetes#140729); false once the scheduler is fixed."
         ),
     ] = True
+    binding_conditions: Annotated[
+        BindingConditions,
+        Field(
+            description="Publish MIG placements (created at prepare) with binding conditions (KEP-5007): "
+            "the scheduler binds a pod only once the plugin has created its MIG device and reported it "
+            "Ready in the claim's status, and schedules it again if that fails (docs/binding-conditions.md). "
+            "off (default: Kubernetes 1.36 and 1.37 refuse every status write to some claims, whose pods "
+            "would then wait out the scheduler's timeout); auto: on where the API server is 1.36 or newer "
+            "(the gate DRADeviceBindingConditions is on by default there); on."
+        ),
+    ] = BindingConditions.OFF
     consumable_capacity: Annotated[
         bool,
         Field(

@@ -72,7 +72,7 @@ def render(document: dict[str, Any], output: str) -> str:
                 (
                     f"{c['namespace']}/{c['name']}" if c["namespace"] else "(recovered from its CDI spec)",
                     c["uid"],
-                    c["phase"],
+                    c["phase"] + (" (ahead of binding)" if c["aheadOfBinding"] else ""),
                     ", ".join(_device_text(d) for d in c["devices"]),
                 )
                 for c in document["claims"]
@@ -131,6 +131,8 @@ def _claim(uid: str, record: ClaimRecord) -> dict[str, Any]:
         "namespace": record.namespace,
         "name": record.name,
         "phase": record.phase,
+        # Prepared before its pod was bound (binding conditions); the kubelet has not asked yet.
+        "aheadOfBinding": record.ahead_of_binding,
         "devices": [
             d.model_dump(mode="json", by_alias=True, exclude={"cdi_device_ids"}) for d in record.devices
         ],

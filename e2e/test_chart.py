@@ -30,6 +30,7 @@ import yaml
 from dra_driver.cdi.spec import cdi_device_id
 from dra_driver.devices.driver_root import REQUIRED_LIBRARIES
 from dra_driver.devices.simulated import DRIVER_VERSION
+from dra_driver.resources.server_rules import rules_for
 from e2e.cluster import (
     GPU_NODE_LABELS,
     ApiError,
@@ -227,6 +228,7 @@ def release(helm: list[str], cluster: ClusterInfo, host: Path) -> Iterator[Relea
         "logFormat": "console",
         "deviceClasses": {"gpu": {"extendedResourceName": EXTENDED_RESOURCE}, "migProfiles": ["1g.10gb"]},
         "nodeLabels": True,
+        "bindingConditions": "auto",  # MIG devices made before the binding, with the chart's permissions
     }
     run(
         [*helm, "install", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE, "--values", "-"],
@@ -650,7 +652,7 @@ def test_pod_asking_for_the_extended_resource_gets_a_gpu_through_dra(
 
 @pytest.mark.e2e
 def test_device_plugin_era_pod_asking_for_a_mig_profile_gets_that_mig_device(
-    rest: RestClient, plugin: PluginPod, namespace: str
+    rest: RestClient, cluster: ClusterInfo, plugin: PluginPod, namespace: str
 ) -> None:
     # docs/examples/extended-resource-mig.yaml, unchanged but for the node it is kept to.
     (example,) = load(EXAMPLES / "extended-resource-mig.yaml")
@@ -668,6 +670,12 @@ def test_device_plugin_era_pod_asking_for_a_mig_profile_gets_that_mig_device(
     assert result["driver"] == DRIVER
     assert re.fullmatch(r"gpu-[0-7]-mig-1g10gb-19-[0-6]", result["device"]), result["device"]
     assert cdi_devices(pod)["app"] == [cdi_device_id(DRIVER, claim["metadata"]["uid"], result["device"])]
+    if rules_for(cluster.kube_version).binding_conditions:
+        # The pod was bound once the plugin, with the chart's permissions alone (a watch of the claims,
+        # the status write of its own node's devices), reported the MIG device made.
+        assert result["bindingConditions"] == ["Ready"]
+        (entry,) = [e for e in claim["status"]["devices"] if e["device"] == result["device"]]
+        assert {c["type"]: c["status"] for c in entry["conditions"]}["Ready"] == "True"
 
 
 def claim_a_gpu(rest: RestClient, namespace: str, name: str) -> None:

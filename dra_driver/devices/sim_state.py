@@ -16,6 +16,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
@@ -45,6 +46,9 @@ class SimGpu(_Record):
     compute_mode: str = "Default"  # a ComputeMode value
     time_slice: str = "Default"  # a TimeSlice value
     mps_broken: bool = False  # an MPS server cannot start on this GPU (the `simulate mps` fault)
+    # How creating a MIG device goes (the `simulate mig-creation` fault): ok; held (the call waits
+    # until it is ok or failing again: slow hardware); failing (the call fails).
+    mig_creation: Literal["ok", "held", "failing"] = "ok"
     mig_devices: list[SimMigDevice] = Field(default_factory=list)
 
 

@@ -34,9 +34,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import shutil
+import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Literal
 
 from dra_driver.devices.backend import DeviceError, DeviceInUseError, PlacementUnavailableError
 from dra_driver.devices.catalog import GpuModel
@@ -68,6 +70,8 @@ CONTROL_NODES = (
     DeviceNode("/dev/nvidia-uvm-tools", NVIDIA_UVM_MAJOR, 1),
 )
 STATE_FILE_NAME = "simulated-gpus.json"
+HELD_CREATION_POLL_S = 0.1  # how often a held MIG creation looks whether it may go on
+HELD_CREATION_MAX_S = 300.0  # and when it gives up, as a hung NVML call would be abandoned
 DEFAULT_BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 
 _MIG_UUID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://gpu.dra-driver.dev/simulated-mig")
@@ -158,6 +162,7 @@ class SimulatedBackend:
 
     def create_mig_device(self, parent_uuid: str, profile_id: int, placement: Placement) -> MigDevice:
         gpu, model = self._mig_capable(self._find(parent_uuid))
+        self._creation_fault(gpu.uuid)
         profile = model.profile_by_id(profile_id)
         if profile is None:
             known = ", ".join(f"{p.profile_id} ({p.name})" for p in model.mig_profiles)
@@ -338,6 +343,29 @@ class SimulatedBackend:
         """Whether an MPS server fails to start on the GPU (see :meth:`set_mps_broken`)."""
         sim = self._reading().gpus.get(gpu_uuid)
         return sim is not None and sim.mps_broken
+
+    def set_mig_creation(self, gpu: str | int, mode: Literal["ok", "held", "failing"]) -> None:
+        """Make creating a MIG device on a GPU wait (held), fail (failing), or work again (ok)."""
+        target, _ = self._mig_capable(self._resolve(gpu))
+        with self._changing() as state:
+            state.gpu(target.uuid).mig_creation = mode
+
+    def _creation_fault(self, gpu_uuid: str) -> None:
+        """Wait while creation on the GPU is held; fail while it is failing (see set_mig_creation).
+
+        Runs in the caller's worker thread, as a slow NVML call would; it polls the state file,
+        which another process (the `simulate` CLI) changes.
+        """
+        deadline = time.monotonic() + HELD_CREATION_MAX_S
+        while (sim := self._reading().gpus.get(gpu_uuid)) is not None and sim.mig_creation == "held":
+            if time.monotonic() > deadline:
+                raise DeviceError(f"creating a MIG device on GPU {gpu_uuid} timed out (simulated fault)")
+            time.sleep(HELD_CREATION_POLL_S)
+        if sim is not None and sim.mig_creation == "failing":
+            raise DeviceError(
+                f"creating a MIG device on GPU {gpu_uuid} failed: Unknown Error (simulated fault; "
+                "`dra-driver simulate mig-creation --mode ok` ends it)"
+            )
 
     def inject_xid(self, gpu: str | int, xid: int) -> None:
         """Record an Xid event on a GPU, as the kernel driver would report it."""

@@ -17,6 +17,10 @@ One prepare, for one claim::
        started and waited for (:mod:`dra_driver.node.sharing.applier`)
     -> write the CDI spec -> commit PrepareCompleted -> answer
 
+With binding conditions (:mod:`dra_driver.node.binding`) the same prepare runs earlier, started
+by the claim's watch before the pod is bound (:meth:`NodePreparer.prepare_ahead`); its record says
+so until the kubelet's prepare finds it done and takes it over.
+
 The one-step commit is safe because a spec on disk without a record is what recovery
 already treats as a prepared claim (:mod:`dra_driver.node.recovery`): after a crash
 between the two, the devices stay reserved until the kubelet's retry or unprepare. It
@@ -289,6 +293,24 @@ class NodePreparer:
         self._maybe_idle()
         return {ref.uid: outcome for ref, outcome in zip(claims, outcomes, strict=True)}
 
+    async def prepare_ahead(self, ref: ClaimRef) -> tuple[PreparedDevice, ...] | ClaimError:
+        """Prepare ``ref`` before its pod is bound (binding conditions, :mod:`dra_driver.node.binding`).
+
+        The same prepare as the kubelet's, recorded as done ahead of binding: the kubelet's prepare
+        then finds it done and takes it over, and until then :meth:`ahead_of_binding` lists it, for
+        the watcher to unprepare should the pod never come (its binding failed or timed out).
+        """
+        report = self._observer.prepare_done if self._observer else None
+        outcome = await self._run(ref, "prepare ahead of binding", self._prepare_ahead, report)
+        if self._on_prepared is not None and not isinstance(outcome, ClaimError):
+            self._on_prepared(ref, outcome)
+        self._maybe_idle()
+        return outcome
+
+    def ahead_of_binding(self) -> dict[str, ClaimRecord]:
+        """The claims prepared ahead of binding that the kubelet has not asked for yet, by uid."""
+        return {uid: r for uid, r in self._state().snapshot().claims.items() if r.ahead_of_binding}
+
     async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, ClaimError | None]:
         report = self._observer.unprepare_done if self._observer else None
         outcomes = await asyncio.gather(
@@ -339,7 +361,10 @@ class NodePreparer:
                 report(time.monotonic() - started, not isinstance(outcome, ClaimError))
             return outcome
 
-    async def _prepare(self, ref: ClaimRef) -> tuple[PreparedDevice, ...]:
+    async def _prepare_ahead(self, ref: ClaimRef) -> tuple[PreparedDevice, ...]:
+        return await self._prepare(ref, ahead=True)
+
+    async def _prepare(self, ref: ClaimRef, ahead: bool = False) -> tuple[PreparedDevice, ...]:
         check_ref(ref)
         async with self._locks.hold(ref.uid):
             store = self._state()
@@ -351,6 +376,13 @@ class NodePreparer:
                         f"not {ref.namespace}/{ref.name}"
                     )
                 if self._specs.path_for(ref.uid).exists():
+                    if existing.ahead_of_binding and not ahead:
+                        # The pod is bound and the kubelet asks: from now on its unprepare undoes it.
+                        store.commit(
+                            Progress(ref.uid, existing.model_copy(update={"ahead_of_binding": False}))
+                        )
+                        log.info("claim prepared ahead of binding; the kubelet takes it over")
+                        return _prepared_devices(existing)
                     log.info("claim already prepared")
                     return _prepared_devices(existing)
                 log.warning("CDI spec of a prepared claim is missing; preparing it again")
@@ -392,6 +424,7 @@ class NodePreparer:
                     name=ref.name,
                     phase="PrepareStarted" if in_steps else "PrepareCompleted",
                     attempt=secrets.token_hex(8),
+                    ahead_of_binding=ahead,
                     devices=_device_records(plan),
                     sharing=await self._sharing.record(
                         ref.uid,

@@ -111,6 +111,10 @@ class ClaimRecord(_Record):
     devices: tuple[DeviceRecord, ...]
     # TimeSlicing or MPS applied on the GPU; left out of the file when none (most claims).
     sharing: SharingRecord | None = Field(default=None, exclude_if=lambda value: value is None)
+    # Prepared by the binding watcher before the pod was bound (KEP-5007, dra_driver.node.binding),
+    # and not yet asked for by the kubelet: the watcher undoes it if the pod never comes. Left out of
+    # the file when false, so records stay as earlier versions wrote them.
+    ahead_of_binding: bool = Field(default=False, exclude_if=lambda value: not value)
 
 
 @dataclass(frozen=True)

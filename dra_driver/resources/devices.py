@@ -25,6 +25,11 @@ profile's instance count) are not offered at all, and the capacities are those o
 MIG devices the driver created itself are published as their placement, under the same name,
 so an allocated device keeps its name and its counter accounting.
 
+With binding conditions on (KEP-5007, :mod:`dra_driver.node.binding`), each placement to create
+says so: ``bindingConditions: [Ready]`` and ``bindingFailureConditions: [PrepareFailed]``, so that
+the scheduler binds a pod only once its MIG device exists. Full GPUs and existing MIG devices need
+no preparation that can fail after allocation and get none: the scheduler prefers them.
+
 Attribute names are NVIDIA's (unqualified, i.e. in the driver's domain), so CEL written for
 NVIDIA's driver works when this one is deployed under that driver name.
 
@@ -75,6 +80,9 @@ NVLINK_CLIQUE = "nvlinkClique"
 PCIE_SWITCH = "pcieSwitch"
 # NVIDIA's driver published the bus id under its own domain up to v25.8; claims may still use it.
 LEGACY_PCIE_BUS_ID = "pcieBusID"
+# The device conditions of KEP-5007 that the plugin reports in the claim's status.devices.
+READY_CONDITION = "Ready"  # the type the API's own docs name for a configured device
+FAILED_CONDITION = "PrepareFailed"
 DEVICE_TAINTS_MAX = 16  # per device, API limit
 ATTRIBUTES_AND_CAPACITIES_MAX = 32  # per device, API limit
 
@@ -149,6 +157,7 @@ def build_devices(
     maintenance: bool = False,
     consumable: bool = False,
     passthrough: Mapping[str, PassthroughGpu] | None = None,
+    binding_conditions: bool = False,
 ) -> list[GpuDevices]:
     """The devices of every GPU in ``inventory``, ordered by minor number.
 
@@ -160,12 +169,18 @@ def build_devices(
     ``consumable`` makes every full GPU shareable (see :func:`shareable`). ``passthrough`` maps
     the PCI address of each GPU that can be passed through to its passthrough details; those
     GPUs get a passthrough device (see :func:`passthrough_device`) while their MIG mode is off.
+    ``binding_conditions`` gives every placement to create the binding conditions of the module doc.
     """
     result: list[GpuDevices] = []
     islands = nvlink_islands(inventory.gpus)
     for gpu in sorted(inventory.gpus, key=lambda g: g.minor):
         gpu_devices = _gpu_devices(
-            inventory, gpu, partition(gpu) and offers_partitions(gpu), owned_mig_uuids, islands.get(gpu.uuid)
+            inventory,
+            gpu,
+            partition(gpu) and offers_partitions(gpu),
+            owned_mig_uuids,
+            islands.get(gpu.uuid),
+            binding_conditions,
         )
         place = (passthrough or {}).get(gpu.pci_bus_id)
         if place is not None and not gpu.mig_enabled and not gpu.mig_devices:
@@ -209,7 +224,12 @@ def offers_partitions(gpu: Gpu) -> bool:
 
 
 def _gpu_devices(
-    inventory: Inventory, gpu: Gpu, partitioned: bool, owned: Collection[str], island: str | None
+    inventory: Inventory,
+    gpu: Gpu,
+    partitioned: bool,
+    owned: Collection[str],
+    island: str | None,
+    binding_conditions: bool,
 ) -> GpuDevices:
     common = _common_attributes(inventory, gpu)
     links = _link_attributes(gpu, island)
@@ -255,6 +275,9 @@ def _gpu_devices(
                 },
             }
         ]
+        if binding_conditions:
+            device["bindingConditions"] = [READY_CONDITION]
+            device["bindingFailureConditions"] = [FAILED_CONDITION]
         devices.append(device)
     return GpuDevices(devices=tuple(devices), counter_set=counter_set)
 

@@ -9,6 +9,9 @@ The driver writes one API version, v1 (served from 1.34), yet a few rules of it 
   full GPU and MIG devices (:func:`dra_driver.resources.slices.split_pool`).
 - **Taint effect None** (a taint that only informs) is valid from 1.35; 1.34 knows only NoSchedule
   and NoExecute and refuses the whole slice otherwise.
+- **Binding conditions** (``DRADeviceBindingConditions``) are alpha, off by default, in 1.34 and 1.35
+  and beta, on by default, from 1.36: only there does ``--binding-conditions=auto`` publish them
+  (:mod:`dra_driver.node.binding`). An API server whose gate is off drops the fields silently.
 
 The release comes from the API server's ``/version``; one the driver cannot read counts as the
 newest, whose rules are the default everywhere.
@@ -29,6 +32,7 @@ class ServerRules:
 
     counters_beside_devices: bool = False  # before 1.35: counter sets in the devices' own slice
     taint_effect_none: bool = True  # from 1.35
+    binding_conditions: bool = True  # DRADeviceBindingConditions on by default: from 1.36
 
 
 NEWEST = ServerRules()
@@ -48,4 +52,6 @@ def rules_for(git_version: str) -> ServerRules:
     if match is None or match[1] != "1":
         return NEWEST
     minor = int(match[2])
-    return ServerRules(counters_beside_devices=minor < 35, taint_effect_none=minor >= 35)
+    return ServerRules(
+        counters_beside_devices=minor < 35, taint_effect_none=minor >= 35, binding_conditions=minor >= 36
+    )

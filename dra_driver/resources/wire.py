@@ -67,6 +67,9 @@ class Device(TypedDict):
     consumesCounters: NotRequired[list[DeviceCounterConsumption]]
     taints: NotRequired[list[DeviceTaint]]
     allowMultipleAllocations: NotRequired[bool]  # consumable capacity (KEP-5075)
+    # KEP-5007: the scheduler binds the pod once these device conditions are True in the claim's status
+    bindingConditions: NotRequired[list[str]]
+    bindingFailureConditions: NotRequired[list[str]]  # ... and schedules it again if one of these is
 
 
 class ResourcePool(TypedDict):

@@ -27,6 +27,7 @@ import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from kubernetes.aio.client import ApiClient, Configuration
 
 from dra_driver.computedomain.api import Names, parse_compute_domain
 from dra_driver.computedomain.objects import channel_template, daemon_object_name, daemon_set
+from dra_driver.node.binding import WaitingDevice, condition_entries
 from dra_driver.node.claim_status import ApiServerClaimStatus
 from dra_driver.node.sharing.mps import MpsDaemonSpec, MpsDevice, MpsPaths
 from dra_driver.node.sharing.mps_deployment import deployment_manifest
@@ -496,6 +498,17 @@ def _claim(setup: Setup, name: str, node: str | None) -> JsonObject:
     return claim
 
 
+def _condition(kind: str) -> JsonObject:
+    """A True device condition, as the binding watcher writes it (dra_driver.node.binding)."""
+    return {
+        "type": kind,
+        "status": "True",
+        "reason": "Prepared",
+        "message": "the device is prepared on the node",
+        "lastTransitionTime": "2026-01-01T00:00:00Z",
+    }
+
+
 def _targets(setup: Setup) -> None:
     admin = setup.admin
     admin.create(SLICES, slice_of("sec-b-slice", NODE_B))
@@ -899,6 +912,15 @@ def plugin_attempts(setup: Setup) -> list[Attempt]:
             "plugin.claim_status",
             "status.devices of a claim on node B",
             _patch(f"{claims()}/claim-b/status", {"status": {"devices": [b_entry]}}),
+            CLAIM_STATUS,
+        ),
+        Attempt(
+            "plugin.claim_status",
+            "a binding condition on a claim of node B (releasing or failing its pod's binding)",
+            _patch(
+                f"{claims()}/claim-b/status",
+                {"status": {"devices": [{**b_entry, "conditions": [_condition("Ready")]}]}},
+            ),
             CLAIM_STATUS,
         ),
         Attempt(
@@ -1373,6 +1395,25 @@ def controls(setup: Setup) -> list[Control]:
 
         asyncio.run(write())
 
+    def own_binding_condition() -> None:
+        claim = setup.admin.get(f"{claims()}/claim-a")
+        ref = ClaimRef(TENANT, "claim-a", claim["metadata"]["uid"])
+        device = WaitingDevice(NODE_A, "gpu-0", None, ("Ready",), ("PrepareFailed",))
+        entries = condition_entries(DRIVER, [device], (), datetime.now(UTC))
+
+        async def write() -> None:
+            configuration = Configuration(
+                host=cluster.server,
+                api_key={"BearerToken": setup.tokens[PLUGIN_ACCOUNT]},
+                api_key_prefix={"BearerToken": "Bearer"},
+                ssl_ca_cert=str(cluster.ca_file),
+            )
+            async with ApiClient(configuration) as client:
+                await ApiServerClaimStatus(client).apply_status(ref, entries, f"{DRIVER}/binding")
+                await ApiServerClaimStatus(client).apply_status(ref, [], f"{DRIVER}/binding")
+
+        asyncio.run(write())
+
     def daemon_set_and_templates() -> None:
         name = daemon_object_name(domain)
         controller.create(DAEMONSETS, daemon_set(NAMES, domain, NAMESPACE, setup.image))
@@ -1430,6 +1471,11 @@ def controls(setup: Setup) -> list[Control]:
             "plugin.claim_status",
             "status.devices of node A's claim, by the driver's writer",
             own_claim_status,
+        ),
+        Control(
+            "plugin.claim_status",
+            "the Ready binding condition of node A's claim, by the driver's binding watcher",
+            own_binding_condition,
         ),
         Control(
             "controller.daemonsets",

@@ -298,6 +298,44 @@ def test_a_mig_device_the_driver_created_is_published_as_its_placement() -> None
     assert len(result.devices) == 25  # every placement; only the full GPU is gone (MIG mode is on)
 
 
+# --- binding conditions (KEP-5007) ----------------------------------------------------------------
+
+
+def test_with_binding_conditions_only_the_placements_to_create_wait_for_the_node() -> None:
+    gpu = h100(0)
+    made = mig_device(gpu, "3g.40gb", 4)  # created by the driver for a claim
+    static = mig_device(gpu, "1g.10gb", 0)  # made by an administrator: exists, nothing to wait for
+    devices = by_name(
+        only(
+            build_devices(
+                inventory(with_mig_devices(gpu, made, static)),
+                owned_mig_uuids={made.uuid},
+                binding_conditions=True,
+            )
+        ).devices
+    )
+    waiting = {name for name, device in devices.items() if "bindingConditions" in device}
+    placements = {name for name, device in devices.items() if "uuid" not in device["attributes"]}
+    assert waiting == placements
+    assert "gpu-0-mig-3g40gb-9-4" in waiting  # a created device keeps its description
+    assert static.uuid in {strings(d).get("uuid") for name, d in devices.items() if name not in waiting}
+    placement = devices["gpu-0-mig-3g40gb-9-4"]
+    assert placement["bindingConditions"] == ["Ready"]
+    assert placement["bindingFailureConditions"] == ["PrepareFailed"]
+
+
+def test_without_binding_conditions_no_device_carries_them() -> None:
+    for gpu in build_devices(inventory(h100(0), a100_40gb(1))):
+        for device in gpu.devices:
+            assert "bindingConditions" not in device
+            assert "bindingFailureConditions" not in device
+
+
+def test_a_full_gpu_never_waits_for_binding() -> None:
+    devices = by_name(only(build_devices(inventory(h100(0)), binding_conditions=True)).devices)
+    assert "bindingConditions" not in devices["gpu-0"]
+
+
 # --- static MIG ---------------------------------------------------------------------------------
 
 

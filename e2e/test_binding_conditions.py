@@ -1,0 +1,182 @@
+"""Binding conditions (KEP-5007) on the real scheduler: a pod is bound only once its MIG device exists.
+
+The driver publishes MIG placements with ``bindingConditions: [Ready]`` and ``bindingFailureConditions:
+[PrepareFailed]`` (Kubernetes 1.36 and newer, where the gate is on by default). The real scheduler
+allocates one, then waits in PreBind; the driver, watching the claims of its pool, creates the MIG
+device ahead of the binding and reports the outcome in the claim's ``status.devices``. The simulator's
+``mig-creation`` fault holds the creation (slow hardware) or fails it.
+
+Checked where a user looks: the pod's ``spec.nodeName`` and phase, its events, the claim's status, and
+the simulated GPUs themselves.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+
+from dra_driver.devices.simulated import SimulatedBackend
+from dra_driver.resources.server_rules import rules_for
+from e2e.cluster import ClusterInfo, JsonObject, RestClient
+from e2e.daemon import wait_until
+from e2e.driver import DRIVER_NAME
+from e2e.gpu_node import GpuNode
+from e2e.test_mig import MIG_CLASS, apply, check_mig_spec, on_gpu, pod, profile_is, template
+from e2e.workloads import allocated_devices, delete_pod, pod_claim, pod_path, wait_running
+
+pytestmark = pytest.mark.e2e
+
+PROFILE = "hgx-h100-16"  # test_mig's node, whose helpers read the GPUs as that profile's
+SCHEDULER_POLL_S = 5.0  # how often the scheduler looks at the claim while it waits in PreBind
+
+
+@pytest.fixture(scope="module")
+def binding_node(
+    cluster: ClusterInfo,
+    kubelet_harness_binary: Path,
+    gpu_device_class: str,
+    mig_device_class: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[GpuNode]:
+    if not rules_for(cluster.kube_version).binding_conditions:
+        pytest.skip(f"binding conditions are off by default on {cluster.kube_version} (beta from 1.36)")
+    node = GpuNode(
+        cluster,
+        kubelet_harness_binary,
+        tmp_path_factory.mktemp("node-binding"),
+        "node-binding",
+        profile=PROFILE,
+        driver_args=["--binding-conditions=auto"],  # off by default (docs/binding-conditions.md)
+    )
+    try:
+        node.start()
+        yield node
+    finally:
+        node.remove()
+
+
+def mig_creation(node: GpuNode, minor: int, mode: Literal["ok", "held", "failing"]) -> None:
+    """What `dra-driver simulate mig-creation --gpu <minor> --mode <mode>` does."""
+    SimulatedBackend(PROFILE, node.name, node.driver.paths.data).set_mig_creation(minor, mode)
+
+
+def live_mig_devices(node: GpuNode, minor: int) -> list[str]:
+    gpu = SimulatedBackend(PROFILE, node.name, node.driver.paths.data).inventory().gpus[minor]
+    return [mig.uuid for mig in gpu.mig_devices]
+
+
+def our_conditions(claim: JsonObject) -> dict[str, dict[str, Any]]:
+    """The conditions of the claim's status.devices entries of our driver, by type."""
+    entries = (claim.get("status") or {}).get("devices") or []
+    return {c["type"]: c for e in entries if e["driver"] == DRIVER_NAME for c in e.get("conditions") or []}
+
+
+def allocated_claim(rest: RestClient, namespace: str, name: str) -> JsonObject:
+    def allocated() -> JsonObject | None:
+        current = rest.get(pod_path(namespace, name))
+        if not (current.get("status") or {}).get("resourceClaimStatuses"):
+            return None
+        claim = pod_claim(rest, current, "gpu")
+        return claim if (claim.get("status") or {}).get("allocation") else None
+
+    return wait_until(allocated, timeout_seconds=60, waiting_for=f"the claim of pod {name} to be allocated")
+
+
+def events_of(rest: RestClient, namespace: str, name: str) -> list[JsonObject]:
+    path, query = f"/api/v1/namespaces/{namespace}/events", {"fieldSelector": f"involvedObject.name={name}"}
+    items: list[JsonObject] = rest.request("GET", path, query=query)["items"]
+    return items
+
+
+def test_a_pod_waits_in_binding_until_its_mig_device_is_made_then_runs(
+    rest: RestClient, binding_node: GpuNode, namespace: str
+) -> None:
+    node = binding_node
+    mig_creation(node, 0, "held")
+    try:
+        apply(
+            rest,
+            node,
+            namespace,
+            template("held", MIG_CLASS, on_gpu(0, node), profile_is("1g.10gb")),
+            pod("held", "held"),
+        )
+        claim = allocated_claim(rest, namespace, "held")
+        (device,) = allocated_devices(claim)
+        (result,) = claim["status"]["allocation"]["devices"]["results"]
+        assert result["bindingConditions"] == ["Ready"]
+        assert result["bindingFailureConditions"] == ["PrepareFailed"]
+
+        # Allocated, reserved for the pod, and the scheduler waits: longer than two of its polls,
+        # the pod stays unbound while the MIG device is being made.
+        time.sleep(2 * SCHEDULER_POLL_S + 1)
+        waiting = rest.get(pod_path(namespace, "held"))
+        assert not waiting["spec"].get("nodeName"), "bound before its MIG device existed"
+        assert "Ready" not in our_conditions(pod_claim(rest, waiting, "gpu"))
+        assert live_mig_devices(node, 0) == []
+        reasons = {event["reason"] for event in events_of(rest, namespace, "held")}
+        assert "BindingConditionsPending" in reasons
+    finally:
+        mig_creation(node, 0, "ok")  # the hardware is done
+
+    running = wait_running(rest, namespace, "held")
+    assert running["spec"]["nodeName"] == node.name
+    claim = pod_claim(rest, running, "gpu")
+    assert allocated_devices(claim) == [device]
+    ready = our_conditions(claim)["Ready"]
+    assert ready["status"] == "True"
+    check_mig_spec(node, claim)  # the device the kubelet's prepare handed over is the one made ahead
+    assert len(live_mig_devices(node, 0)) == 1
+
+    delete_pod(rest, namespace, "held")
+    wait_until(
+        lambda: live_mig_devices(node, 0) == [], timeout_seconds=60, waiting_for="the MIG device to go"
+    )
+
+
+def test_a_failed_mig_creation_sends_the_pod_back_to_the_scheduler_with_the_reason(
+    rest: RestClient, binding_node: GpuNode, namespace: str
+) -> None:
+    node = binding_node
+    mig_creation(node, 1, "failing")
+    try:
+        apply(
+            rest,
+            node,
+            namespace,
+            template("failing", MIG_CLASS, on_gpu(1, node), profile_is("1g.10gb")),
+            pod("failing", "failing"),
+        )
+
+        def failure_reported() -> str | None:
+            """The scheduler's event naming the driver's reason, once the binding failed."""
+            for event in events_of(rest, namespace, "failing"):
+                if "simulated fault" in (event.get("message") or ""):
+                    return str(event["message"])
+            return None
+
+        message = wait_until(failure_reported, timeout_seconds=90, waiting_for="the binding failure's event")
+        assert "device binding failed" in message  # the scheduler's words, then the driver's
+        assert "reason=PrepareFailed" in message
+        current = rest.get(pod_path(namespace, "failing"))
+        assert not current["spec"].get("nodeName"), "a pod whose MIG device failed was bound"
+        assert live_mig_devices(node, 1) == []  # the failed prepare left nothing behind
+    finally:
+        mig_creation(node, 1, "ok")  # repaired: the next scheduling attempt succeeds
+
+    running = wait_running(rest, namespace, "failing")
+    assert running["spec"]["nodeName"] == node.name
+    claim = pod_claim(rest, running, "gpu")
+    assert our_conditions(claim)["Ready"]["status"] == "True"
+    assert "PrepareFailed" not in our_conditions(claim)  # the allocation was taken back and made anew
+    check_mig_spec(node, claim)
+    assert len(live_mig_devices(node, 1)) == 1
+
+    delete_pod(rest, namespace, "failing")
+    wait_until(
+        lambda: live_mig_devices(node, 1) == [], timeout_seconds=60, waiting_for="the MIG device to go"
+    )
