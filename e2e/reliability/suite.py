@@ -26,7 +26,7 @@ class Size:
     model_nvml_examples: int  # sequences of it on the NVML backend over the mock (slower per step)
 
 
-FULL = Size(200, 25_000, 1_200, 10_000, 3, 5, 30, 400, 40, 50)
+FULL = Size(200, 25_000, 1_200, 10_000, 3, 5, 30, 400, 40, 30)
 CI = Size(14, 1_000, 120, 2_000, 1, 2, 4, 20, 30, 4)
 
 # Figures whose goal is 0: each counts something that went wrong.
