@@ -23,6 +23,8 @@ the CDI directory, the GPUs and their MIG devices, the MPS daemons -- and the pr
   prepared before: a repeat), and one that conflicts with a prepared claim is refused;
 * a node no claim may hold has no spec, record or MPS daemon left, and every GPU's compute mode and
   time slice back (unless the state that said what to put back was lost).
+* a GPU the driver switched into MIG mode has a MIG device left (on the NVML backend; the
+  simulator has no MIG mode), unless the record that the driver switched it was lost.
 
 A crash is simulated in this process: at the chosen crash point the machine copies the files a
 SIGKILL would leave (state, CDI specs, the simulated GPUs), raises :class:`Crash`, which nothing
