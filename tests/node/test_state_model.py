@@ -876,3 +876,26 @@ def run_many(machine: type[NodeStateModel], max_examples: int, step_count: int) 
     except AssertionError as failure:
         return str(failure)
     return None
+
+
+async def test_a_mig_device_whose_prepare_died_goes_with_the_other_instances_unprepare(node: Node) -> None:
+    """Found by the machine: the old instance of a rolling update dies between creating a claim's MIG
+    device and naming it in the claim's record; the new instance's unprepare must destroy it too."""
+    ref = new_ref("partition")
+    node.allocate(ref, "gpu-0-mig-1g10gb-19-5")
+    old, new = await node.started(), await node.started()
+    crashes = CrashPoints((node.state_dir, node.cdi_dir, node.root / "sim"))
+    crashes.loop = asyncio.get_running_loop()
+    crashes.install()
+    try:
+        # The reservation is the first commit, the table of MIG devices the driver made the second.
+        with crashes.armed("store.after_commit", 2), pytest.raises(Crash):
+            await crashes.dying(old.prepare([ref]))
+        crashes.restore()
+    finally:
+        crashes.uninstall()
+    assert len(node.backend.inventory().gpus[0].mig_devices) == 1, "the crash left the MIG device"
+
+    assert (await new.unprepare([ref]))[ref.uid] is None
+
+    assert node.backend.inventory().gpus[0].mig_devices == (), "the claim's MIG device outlived its unprepare"
