@@ -323,6 +323,12 @@ class NodePreparer:
                     log.info("claim already prepared")
                     return _prepared_devices(existing)
                 log.warning("CDI spec of a prepared claim is missing; preparing it again")
+            elif existing is not None:
+                # Its MIG device is the claim's (created by an earlier attempt), not a static one.
+                adopted = await self._with_created_before_a_crash(existing)
+                if adopted is not existing:
+                    store.commit(Progress(ref.uid, adopted))
+                    existing = adopted
             claim_json = await self._claims.get(ref.namespace, ref.name)
             if claim_json is None:
                 raise ClaimRejected(
@@ -533,9 +539,11 @@ class NodePreparer:
         """``record`` naming the MIG devices an attempt created but died before recording.
 
         Recovery adopts them at start-up; during a rolling update the other instance may have
-        died so, and this one never recovers: its unprepare adopts them by the same rule. A live
-        device at exactly the placement of a device the record has no uuid for, named by no
-        claim's record, is that device (the reservation keeps the placement the claim's alone).
+        died so, and this one never recovers: the claim's next prepare or unprepare adopts them by
+        the same rule. A live device at exactly the placement of a device the record has no uuid
+        for, named by no claim's record, is that device (the reservation keeps the placement the
+        claim's alone). Without it, an unprepare would leave the device, and a prepare take it
+        for an administrator's, which its unprepare leaves too.
         """
         if all(d.mig is None or d.mig.uuid is not None for d in record.devices):
             return record

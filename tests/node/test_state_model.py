@@ -878,9 +878,13 @@ def run_many(machine: type[NodeStateModel], max_examples: int, step_count: int) 
     return None
 
 
-async def test_a_mig_device_whose_prepare_died_goes_with_the_other_instances_unprepare(node: Node) -> None:
+@pytest.mark.parametrize("prepared_again", [False, True])
+async def test_a_mig_device_whose_prepare_died_goes_with_the_other_instances_unprepare(
+    node: Node, prepared_again: bool
+) -> None:
     """Found by the machine: the old instance of a rolling update dies between creating a claim's MIG
-    device and naming it in the claim's record; the new instance's unprepare must destroy it too."""
+    device and naming it in the claim's record; the new instance's unprepare must destroy it too,
+    also after the kubelet's repeated prepare there (which must not take it for a static device)."""
     ref = new_ref("partition")
     node.allocate(ref, "gpu-0-mig-1g10gb-19-5")
     old, new = await node.started(), await node.started()
@@ -895,6 +899,11 @@ async def test_a_mig_device_whose_prepare_died_goes_with_the_other_instances_unp
     finally:
         crashes.uninstall()
     assert len(node.backend.inventory().gpus[0].mig_devices) == 1, "the crash left the MIG device"
+
+    if prepared_again:
+        again = (await new.prepare([ref]))[ref.uid]
+        assert not isinstance(again, ClaimError), again.message
+        assert len(node.backend.inventory().gpus[0].mig_devices) == 1, "the prepare made a second device"
 
     assert (await new.unprepare([ref]))[ref.uid] is None
 
