@@ -56,12 +56,14 @@ MACHINE = "dgxh100:6"
 STATIC_GPU = 1  # gpu-1 holds the administrator's 3g.40gb at slice 0 (NVML_NODE.static_mig)
 THREE_G_PROFILE_ID = 2  # NVIDIA's H100 mock: the NVML_GPU_INSTANCE_PROFILE_3_SLICE constant
 THREE_SLICE_COMPUTE_PROFILE = 0x2  # NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE
-NVML_ONE_G_START = 3  # a 1g.10gb beside the static device on gpu-1, or anywhere on gpu-0
+NVML_ONE_G_START = 3  # where the regression example's 1g.10gb lies on gpu-0
 CALL_TIMEOUT_S = 30.0  # NVML on the mock answers at once; only a hang would reach it
 MOCK_STATE_FILE = "state.json"  # in MOCK_NVML_STATE_DIR (hack/mock-nvml/state.go)
 
 
 class NvmlNodeStateModel(NodeStateModel):
+    """The machine on six mock H100: only the node's hardware and how an instance starts differ."""
+
     variant = "mock_nvml"
     shape = NVML_NODE
 
