@@ -111,7 +111,7 @@ class KindSpec:
     simulated: tuple[str, ...]
     mock_nvml: tuple[str, ...] = ()
     hold: Hold = Hold.EXCLUSIVE
-    sharing: Mapping[str, Any] | None = None  # the GpuConfig's sharing, if the claim has one
+    config: Mapping[str, Any] | None = None  # the opaque config the claim carries, if any
     changes_gpu_settings: bool = False  # compute mode or time slice, put back at unprepare
     makes_mig: bool = False  # the driver creates the claim's MIG device, and destroys it again
 
@@ -145,11 +145,14 @@ KINDS: dict[Kind, KindSpec] = {
     Kind.TIME_SLICING: KindSpec(
         ("gpu-2", "gpu-3"),
         ("gpu-2", "gpu-3"),
-        sharing={"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}},
+        config=gpu_config({"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}}),
         changes_gpu_settings=True,
     ),
     Kind.MPS: KindSpec(
-        ("gpu-2", "gpu-3"), ("gpu-2", "gpu-3"), sharing={"strategy": "MPS"}, changes_gpu_settings=True
+        ("gpu-2", "gpu-3"),
+        ("gpu-2", "gpu-3"),
+        config=gpu_config({"strategy": "MPS"}),
+        changes_gpu_settings=True,
     ),
 }
 
@@ -540,8 +543,8 @@ class NodeStateModel(RuleBasedStateMachine):
     @rule(
         target=claims,
         # A kind this node offers, and one of its devices: uniform, as st.integers is not (it draws
-        # small numbers far more often); 840 is a multiple of every count of kinds up to 8.
-        pick=st.sampled_from(range(840)),
+        # small numbers far more often); 2520 is a multiple of every count of kinds up to 10.
+        pick=st.sampled_from(range(2520)),
         uid=st.uuids(version=4),  # drawn, not random: recovery's order follows the uids
     )
     def allocate(self, pick: int, uid: uuid.UUID) -> str:
@@ -557,7 +560,7 @@ class NodeStateModel(RuleBasedStateMachine):
             options["consumed"] = {"memory": f"{self.shape.share_gib}Gi"}
         elif spec.hold is Hold.ADMIN:
             options["admin_access"] = True
-        configs = [opaque(gpu_config(spec.sharing))] if spec.sharing is not None else []
+        configs = [opaque(spec.config)] if spec.config is not None else []
         self.node.allocate(ref, device, configs=configs, **options)
         self.model.append(Claim(ref, kind, device, self.shape.units(device)))
         return ref.name
