@@ -50,6 +50,7 @@ import contextlib
 import dataclasses
 import enum
 import filecmp
+import os
 import shutil
 import tempfile
 import uuid
@@ -233,6 +234,9 @@ class Crash(BaseException):
     """A SIGKILL, in process: a BaseException, so that no ``except Exception`` of the driver takes it."""
 
 
+_OWN_FDS = "/proc/self/fd"
+
+
 class CrashPoints:
     """Stands in for :func:`dra_driver.crashpoint.reached` while the machine runs.
 
@@ -242,8 +246,9 @@ class CrashPoints:
     ``before_*`` point first). :meth:`restore` puts back any file that differs from the copy.
     """
 
-    def __init__(self, directories: tuple[Path, ...]) -> None:
+    def __init__(self, directories: tuple[Path, ...], spec_locks: Path) -> None:
         self._directories = directories
+        self._spec_locks = spec_locks  # the CDI directory, whose files a writer holds locked
         self._armed: tuple[str, int] | None = None
         self._hits = 0
         self._copy: Path | None = None
@@ -287,11 +292,22 @@ class CrashPoints:
         raise Crash(self.fired_at)
 
     def restore(self) -> None:
-        """Make the directories what they were at the crash, changing only files that differ."""
+        """Make the directories what they were at the crash, changing only files that differ.
+
+        And drop the locks the dead call held on CDI specs, as the kernel does when it closes a
+        killed process's descriptors: a spec write that raised the crash after its rename never
+        handed its locked descriptor on, and a spec left locked is taken for another live
+        instance's, which recovery leaves alone. Only the dying call can hold one: a spec is held
+        only within a call, and the machine crashes one call at a time.
+        """
         assert self._copy is not None
         for number, directory in enumerate(self._directories):
             self.restored_files += _restore_tree(self._copy / str(number), directory)
         self._drop_copy()
+        for fd in os.listdir(_OWN_FDS):
+            with contextlib.suppress(OSError):  # closed meanwhile
+                if Path(os.readlink(f"{_OWN_FDS}/{fd}")).is_relative_to(self._spec_locks):
+                    os.close(int(fd))
         self.fired_at = None
         self.fired.clear()
 
@@ -376,7 +392,9 @@ class NodeStateModel(RuleBasedStateMachine):
         self.root = Path(tempfile.mkdtemp(prefix="state-model-"))
         self.node: Node = self._make_node()
         self.loop = asyncio.new_event_loop()
-        self.crashes = CrashPoints((self.data_dir, self.node.cdi_dir, *self._hardware_dirs()))
+        self.crashes = CrashPoints(
+            (self.data_dir, self.node.cdi_dir, *self._hardware_dirs()), self.node.cdi_dir
+        )
         self.crashes.loop = self.loop
         self.crashes.install()
         self.model: list[Claim] = []
@@ -891,7 +909,7 @@ async def test_a_mig_device_whose_prepare_died_goes_with_the_other_instances_unp
     ref = new_ref("partition")
     node.allocate(ref, "gpu-0-mig-1g10gb-19-5")
     old, new = await node.started(), await node.started()
-    crashes = CrashPoints((node.state_dir, node.cdi_dir, node.root / "sim"))
+    crashes = CrashPoints((node.state_dir, node.cdi_dir, node.root / "sim"), node.cdi_dir)
     crashes.loop = asyncio.get_running_loop()
     crashes.install()
     try:
@@ -911,3 +929,26 @@ async def test_a_mig_device_whose_prepare_died_goes_with_the_other_instances_unp
     assert (await new.unprepare([ref]))[ref.uid] is None
 
     assert node.backend.inventory().gpus[0].mig_devices == (), "the claim's MIG device outlived its unprepare"
+
+
+async def test_a_simulated_crash_leaves_no_spec_locked(node: Node) -> None:
+    """The machine's crash is a SIGKILL's: a spec write that died after its rename holds no lock.
+
+    Held, the spec passed for another instance's half-done prepare, which recovery leaves alone: a
+    lost state then rebuilt no record of its claim, and a second claim got the same GPU.
+    """
+    ref = new_ref("work")
+    node.allocate(ref, "gpu-2")
+    preparer = await node.started()
+    crashes = CrashPoints((node.state_dir, node.cdi_dir, node.root / "sim"), node.cdi_dir)
+    crashes.loop = asyncio.get_running_loop()
+    crashes.install()
+    try:
+        with crashes.armed("cdi.after_write", 1), pytest.raises(Crash):
+            await crashes.dying(preparer.prepare([ref]))
+        crashes.restore()
+    finally:
+        crashes.uninstall()
+
+    assert node.specs.path_for(ref.uid).exists(), "the crash came after the spec's rename"
+    assert not node.specs.held_by_a_writer(ref.uid)
