@@ -74,7 +74,7 @@ scale: venv kube-build
 
 ## reliability: the fault suite at full size (kill -9, API server outage, full disk, two instances,
 ## fuzzing), about 20 minutes; writes _output/reliability.json (`make test` runs a CI-sized subset)
-reliability: venv kube-build
+reliability: venv kube-build mock-nvml
 	$(PYTHON) -m e2e.reliability
 
 ## security: the attack suite: the chart's accounts, with real pod-bound tokens and by impersonation, try

@@ -386,6 +386,12 @@ class NodePreparer:
                     log.info("claim already prepared")
                     return _prepared_devices(existing)
                 log.warning("CDI spec of a prepared claim is missing; preparing it again")
+            elif existing is not None:
+                # Its MIG device is the claim's (created by an earlier attempt), not a static one.
+                adopted = await self._with_created_before_a_crash(existing)
+                if adopted is not existing:
+                    store.commit(Progress(ref.uid, adopted))
+                    existing = adopted
             claim_json = await self._claims.get(ref.namespace, ref.name)
             if claim_json is None:
                 raise ClaimRejected(
@@ -676,6 +682,7 @@ class NodePreparer:
             if record is not None and record.sharing is not None:
                 record = await self._undo_sharing(ref.uid)
             if record is not None:
+                record = await self._with_created_before_a_crash(record)
                 await self._destroy_recorded(ref.uid, record)
                 await self._bind_back(record)  # raises while a GPU cannot go back: the kubelet retries
             # The spec goes first: as long as it exists, so does the record (see recovery).
@@ -684,6 +691,44 @@ class NodePreparer:
             # Committed even when this instance has no record: the other instance may have one.
             store.commit(Release(ref.uid))
             log.info("claim unprepared")
+
+    async def _with_created_before_a_crash(self, record: ClaimRecord) -> ClaimRecord:
+        """``record`` naming the MIG devices an attempt created but died before recording.
+
+        Recovery adopts them at start-up; during a rolling update the other instance may have
+        died so, and this one never recovers: the claim's next prepare or unprepare adopts them by
+        the same rule. A live device at exactly the placement of a device the record has no uuid
+        for, named by no claim's record, is that device (the reservation keeps the placement the
+        claim's alone). Without it, an unprepare would leave the device, and a prepare take it
+        for an administrator's, which its unprepare leaves too.
+        """
+        if all(d.mig is None or d.mig.uuid is not None for d in record.devices):
+            return record
+        live = await asyncio.to_thread(self._live_mig_devices)
+        state = self._state().snapshot()
+        named = {d.mig.uuid for r in state.claims.values() for d in r.devices if d.mig and d.mig.uuid}
+        for device in record.devices:
+            mig = device.mig
+            if mig is None or mig.uuid is not None:
+                continue
+            found = next(
+                (
+                    m
+                    for m in live
+                    if m.uuid not in named
+                    and m.parent_uuid == mig.parent_uuid
+                    and m.profile_id == mig.profile_id
+                    and (m.placement.start, m.placement.size) == (mig.placement_start, mig.placement_size)
+                ),
+                None,
+            )
+            if found is not None:
+                log.info(
+                    "adopted a MIG device created before a crash", device=device.device, mig_uuid=found.uuid
+                )
+                named.add(found.uuid)
+                record = _with_mig_uuid(record, device.device, found.uuid)
+        return record
 
     async def _undo_sharing(self, uid: str) -> ClaimRecord | None:
         """Undo the claim's sharing and record that it holds none; the claim's record after it.

@@ -23,10 +23,11 @@ class Size:
     rolling_rounds: int
     model_examples: int  # sequences of the model-based test of the node's state
     model_steps: int  # steps per sequence
+    model_nvml_examples: int  # sequences of it on the NVML backend over the mock (slower per step)
 
 
-FULL = Size(200, 25_000, 1_200, 10_000, 3, 5, 30, 400, 40)
-CI = Size(14, 1_000, 120, 2_000, 1, 2, 4, 20, 30)
+FULL = Size(200, 25_000, 1_200, 10_000, 3, 5, 30, 400, 40, 30)
+CI = Size(14, 1_000, 120, 2_000, 1, 2, 4, 20, 30, 4)
 
 # Figures whose goal is 0: each counts something that went wrong.
 ZERO_GOALS = (
@@ -76,7 +77,7 @@ def run(env: Env, size: Size, seed: int, only: tuple[str, ...] = SCENARIOS) -> d
     timed("outage", lambda: asyncio.run(outage.run(env, size.outage_rounds)).as_json())
     timed("diskfull", lambda: asyncio.run(diskfull.run(env, size.diskfull_rounds)).as_json())
     timed("rolling", lambda: asyncio.run(rolling.run(env, size.rolling_rounds, seed)).as_json())
-    timed("model", lambda: model.run(size.model_examples, size.model_steps))
+    timed("model", lambda: model.run(size.model_examples, size.model_steps, size.model_nvml_examples))
     figures["seconds"] = seconds
     return figures
 
