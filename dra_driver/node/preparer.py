@@ -86,7 +86,7 @@ from dra_driver.devices.backend import Backend, DeviceError
 from dra_driver.devices.pci import PassthroughGpu, PciError
 from dra_driver.devices.types import Gpu, Inventory, MigDevice
 from dra_driver.node.claim_fetcher import ClaimFetcher, ClaimFetchError
-from dra_driver.node.claims import ClaimRejected, allocated_claim, check_ref
+from dra_driver.node.claims import AllocatedClaim, ClaimRejected, allocated_claim, check_ref
 from dra_driver.node.config import config_json
 from dra_driver.node.partitioner import Partitioner, PartitionError
 from dra_driver.node.plan import ClaimPlan, MetadataSource, MigPlacement, PlannedDevice, plan_claim
@@ -399,6 +399,10 @@ class NodePreparer:
                     "the pod cannot start until the claim exists again"
                 )
             claim = allocated_claim(ref, claim_json, self._driver, self._pool)
+            if existing is not None and (taken := self._recovered_admin_claim(existing, claim)) is not None:
+                store.commit(Progress(ref.uid, taken))
+                log.info("claim rebuilt from its CDI spec taken as prepared")
+                return _prepared_devices(taken)
             if existing is not None and _passthrough_of(existing):
                 # An earlier attempt's GPUs on vfio-pci go back to nvidia: this one starts afresh.
                 await self._bind_back(existing)
@@ -458,6 +462,36 @@ class NodePreparer:
             completed = await self._complete(ref.uid, plan, record, sharing) if in_steps else record
             log.info("claim prepared", devices=[d.device for d in completed.devices])
             return _prepared_devices(completed)
+
+    def _recovered_admin_claim(self, record: ClaimRecord, claim: AllocatedClaim) -> ClaimRecord | None:
+        """A claim of admin access alone, rebuilt from its spec, as prepared; None for any other.
+
+        Planned afresh, it could now be refused where it was prepared before: admin access holds
+        nothing, so the GPU may have gone into MIG mode since (a MIG device of another claim), and
+        a full GPU in MIG mode is not planned. Its spec and the allocation naming the same devices
+        is all such a claim is: it is taken as it stands, with the requests the allocation gives.
+        """
+        if record.phase != "Recovered" or not self._specs.path_for(claim.ref.uid).exists():
+            return None
+        by_device = {(r.device, r.share_id): r for r in claim.results}
+        recorded = {(d.device, d.share_id): d for d in record.devices}
+        if (
+            len(by_device) != len(claim.results)
+            or by_device.keys() != recorded.keys()
+            or not all(r.admin_access and recorded[key].admin_access for key, r in by_device.items())
+        ):
+            return None
+        devices = tuple(
+            d.model_copy(update={"request": by_device[key].request}) for key, d in recorded.items()
+        )
+        return record.model_copy(
+            update={
+                "namespace": claim.ref.namespace,
+                "name": claim.ref.name,
+                "phase": "PrepareCompleted",
+                "devices": devices,
+            }
+        )
 
     def _completed_elsewhere(self, ref: ClaimRef, seen: ClaimRecord | None) -> ClaimRecord | None:
         """The claim's record if another instance completed it since ``seen`` was read, else None.

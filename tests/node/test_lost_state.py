@@ -88,3 +88,28 @@ async def test_two_specs_that_hold_one_gpu_are_reported_by_both_names_and_neithe
     assert isinstance((await second.prepare([rogue]))[rogue.uid], ClaimError)
     again = (await second.prepare([work]))[work.uid]
     assert not isinstance(again, ClaimError), again
+
+
+async def test_an_admin_claim_rebuilt_from_its_spec_stays_prepared_when_its_gpu_went_into_mig_mode(
+    node: Node,
+) -> None:
+    # Found by the state model: admin access holds nothing, so a MIG device of the same GPU was
+    # prepared after it, switching the GPU into MIG mode. Rebuilt from its spec, the admin claim
+    # was planned afresh at the kubelet's repeated prepare, where a full GPU in MIG mode is refused.
+    first = await node.started()
+    admin, mig = new_ref("admin"), new_ref("mig")
+    node.allocate(admin, "gpu-0", admin_access=True)
+    node.allocate(mig, "gpu-0-mig-1g10gb-19-0")
+    prepared = await first.prepare([admin])
+    assert not isinstance(prepared[admin.uid], ClaimError), prepared
+    assert not isinstance((await first.prepare([mig]))[mig.uid], ClaimError)
+
+    wipe_state(node)
+    second = await node.started()
+
+    again = (await second.prepare([admin]))[admin.uid]
+    assert not isinstance(again, ClaimError), again
+    assert again == prepared[admin.uid]  # the same devices and CDI ids, for the same requests
+    assert (await second.unprepare([admin]))[admin.uid] is None
+    assert (await second.unprepare([mig]))[mig.uid] is None
+    assert not node.spec_files()
