@@ -25,6 +25,9 @@ the CDI directory, the GPUs and their MIG devices, the MPS daemons -- and the pr
   time slice back (unless the state that said what to put back was lost).
 * a GPU the driver switched into MIG mode has a MIG device left (on the NVML backend; the
   simulator has no MIG mode), unless the record that the driver switched it was lost.
+* no GPU stays on vfio-pci once no claim may hold it, unless a lost state forgot a crashed
+  passthrough prepare's GPU before its spec was written, which the node then takes for an
+  administrator's (docs/passthrough.md).
 
 A crash is simulated in this process: at the chosen crash point the machine copies the files a
 SIGKILL would leave (state, CDI specs, the simulated GPUs), raises :class:`Crash`, which nothing
@@ -32,7 +35,8 @@ in the driver catches, and puts back those copies once the dying call has unwoun
 ``except BaseException`` undid after the crash point is undone again; whatever else it had running
 is cancelled while every crash point still raises. The crashed instance is never called again.
 (MPS daemons are processes and survive a real SIGKILL; an in-process crash may stop them while
-unwinding, which the driver must cope with too.)
+unwinding, which the driver must cope with too.) A passthrough claim moves its GPU to vfio-pci on
+the simulated sysfs tree, which a crash copies and puts back with the rest, driver links included.
 
 The kinds, and the devices each may be allocated, are one table (:data:`KINDS`), with a column per
 node: :mod:`tests.node.test_state_model_nvml` runs the same machine on the NVML backend over the
@@ -90,6 +94,7 @@ class Kind(enum.StrEnum):
     SHARE = "share"
     TIME_SLICING = "time-slicing"
     MPS = "mps"
+    PASSTHROUGH = "passthrough"
 
 
 class Hold(enum.Enum):
@@ -115,13 +120,15 @@ class KindSpec:
     config: Mapping[str, Any] | None = None  # the opaque config the claim carries, if any
     changes_gpu_settings: bool = False  # compute mode or time slice, put back at unprepare
     makes_mig: bool = False  # the driver creates the claim's MIG device, and destroys it again
+    passes_through: bool = False  # the driver moves the claim's GPU to vfio-pci, and back again
 
 
 # One entry per kind. gpu-0 is a free H100 (full, or MIG devices the driver makes), gpu-1 an H100
 # with an administrator's (static) MIG device and room for 1g.10gb devices beside it, gpu-2/3 take
-# the sharing configs, gpu-4/5 the consumable shares. Conflicting allocations are drawn on purpose:
-# the scheduler never makes them, but a stale slice or a lost state can, and the node is the last
-# to refuse them.
+# the sharing configs, gpu-4/5 the consumable shares; gpu-0 and gpu-3 also go to virtual machines
+# (on the simulated node only: the NVML backend's sysfs tree is the host's). Conflicting
+# allocations are drawn on purpose: the scheduler never makes them, but a stale slice or a lost
+# state can, and the node is the last to refuse them.
 KINDS: dict[Kind, KindSpec] = {
     Kind.GPU: KindSpec(("gpu-0", "gpu-2", "gpu-3", "gpu-4"), ("gpu-0", "gpu-2", "gpu-3", "gpu-4")),
     Kind.MIG_DYNAMIC: KindSpec(
@@ -155,6 +162,7 @@ KINDS: dict[Kind, KindSpec] = {
         config=gpu_config({"strategy": "MPS"}),
         changes_gpu_settings=True,
     ),
+    Kind.PASSTHROUGH: KindSpec(("gpu-vfio-0", "gpu-vfio-3"), passes_through=True),
 }
 
 
@@ -167,10 +175,12 @@ class NodeShape:
     static_mig: str  # the administrator's MIG device, made before the driver starts
     share_gib: int  # the memory of one consumable share ...
     share_capacity_gib: int  # ... of which this much fits on one GPU
+    passthrough_of: Mapping[str, str] = dataclasses.field(default_factory=dict)  # the GPU of each
 
     def units(self, device: str) -> frozenset[tuple[str, int]]:
-        """The memory slices ``device`` occupies: all of a full GPU's, or a MIG placement's own."""
-        gpu, _, mig = device.partition("-mig-")
+        """The memory slices ``device`` occupies: all of a full GPU's (a passthrough device's too), or
+        a MIG placement's own."""
+        gpu, _, mig = self.passthrough_of.get(device, device).partition("-mig-")
         if not mig:
             return frozenset((gpu, s) for s in range(self.memory_slices))
         profile, _, start = mig.split("-")
@@ -178,8 +188,16 @@ class NodeShape:
         return frozenset((gpu, s) for s in range(first, first + self.mig_sizes[profile]))
 
 
-# The simulator's H100 profiles are the hardware's; four 5 GiB shares fit on an L4 (22 GiB).
-SIMULATED_NODE = NodeShape(8, {"1g10gb": 1, "3g40gb": 4}, "gpu-1-mig-3g40gb-9-0", 5, 22)
+# The simulator's H100 profiles are the hardware's; four 5 GiB shares fit on an L4 (22 GiB). Its
+# passthrough devices are numbered in PCI order, which is the minors' (checked as the machine starts).
+SIMULATED_NODE = NodeShape(
+    8,
+    {"1g10gb": 1, "3g40gb": 4},
+    "gpu-1-mig-3g40gb-9-0",
+    5,
+    22,
+    passthrough_of={"gpu-vfio-0": "gpu-0", "gpu-vfio-3": "gpu-3"},
+)
 # NVIDIA's H100 mock has 7 memory slices and a 3g.40gb of 3 (docs/mock-nvml.md); four 19 GiB shares
 # fit in its 80 GiB.
 NVML_NODE = NodeShape(7, {"1g10gb": 1, "3g40gb": 3}, "gpu-1-mig-3g40gb-2-0", 19, 80)
@@ -359,6 +377,15 @@ def _restore_tree(copy: Path, live: Path) -> int:
             changed += 1
     for entry in copy.iterdir():
         target = live / entry.name
+        if entry.is_symlink():  # sysfs's driver links
+            if not target.is_symlink() or target.readlink() != entry.readlink():
+                if target.is_dir() and not target.is_symlink():
+                    shutil.rmtree(target)
+                elif target.is_symlink() or target.exists():
+                    target.unlink()
+                target.symlink_to(entry.readlink())
+                changed += 1
+            continue
         if entry.is_dir() and not entry.is_symlink():
             changed += _restore_tree(entry, target)
         elif entry.is_file() and not (target.is_file() and filecmp.cmp(entry, target, shallow=False)):
@@ -402,8 +429,9 @@ class NodeStateModel(RuleBasedStateMachine):
         self.gone: list[NodePreparer] = []  # stopped or crashed: kept, never called again
         # GPUs whose settings to put back were lost with the state while a claim had changed them
         self.settings_forgotten: set[str] = set()
-        # dynamic MIG devices the node may keep for good (see MIG_DEVICE_SURVIVES_LOST_STATE)
-        self.kept_mig: set[str] = set()
+        # devices the node may keep for good: dynamic MIG devices (see MIG_DEVICE_SURVIVES_LOST_STATE),
+        # and passthrough devices whose GPU a lost state left on vfio-pci with no spec naming it
+        self.kept: set[str] = set()
         # GPUs whose MIG mode the driver switched on when that record was lost: it may stay on
         self.mig_mode_kept: set[str] = set()
         self.steps: list[str] = []
@@ -414,6 +442,10 @@ class NodeStateModel(RuleBasedStateMachine):
     def _make_node(self) -> Node:
         node = make_node(self.root)
         node.backend.admin_create_mig(1, "3g.40gb", 0)  # the static MIG device
+        self.passthrough = node.backend.pci().passthrough_gpus()  # as with --passthrough on
+        self.gpu_addresses = {f"gpu-{gpu.minor}": gpu.pci_bus_id for gpu in node.backend.inventory().gpus}
+        for device, gpu in self.shape.passthrough_of.items():
+            assert f"gpu-vfio-{self.passthrough[self.gpu_addresses[gpu]].index}" == device
         return node
 
     def _hardware_dirs(self) -> tuple[Path, ...]:
@@ -422,7 +454,7 @@ class NodeStateModel(RuleBasedStateMachine):
 
     def _new_preparer(self) -> NodePreparer:
         """A plugin instance, as a new process of the DaemonSet starts it."""
-        return self.node.preparer(consumable=True)
+        return self.node.preparer(consumable=True, passthrough=self.passthrough)
 
     @property
     def mps(self) -> LocalMpsDaemons:
@@ -448,6 +480,10 @@ class NodeStateModel(RuleBasedStateMachine):
     def _mig_mode_the_driver_switched_on(self) -> set[str]:
         """The GPUs in MIG mode that were not before the driver started (the simulator has no mode)."""
         return set()
+
+    def _pci_driver(self, gpu: str) -> str | None:
+        """The driver ``gpu`` is bound to, as sysfs says (only asked where passthrough is drawn)."""
+        return self.node.backend.pci().driver(self.gpu_addresses[gpu])
 
     # --- the node's plumbing ---------------------------------------------------------------------
 
@@ -522,12 +558,16 @@ class NodeStateModel(RuleBasedStateMachine):
         conflicting = [c for c in others if claim.conflicts(c)]
         if any(c.status is Status.PREPARED for c in conflicting):
             return False
-        if conflicting or any(claim.units & self.shape.units(kept) for kept in self.kept_mig):
+        if conflicting or any(claim.units & self.shape.units(kept) for kept in self.kept):
             return None
         if claim.hold is Hold.ADMIN and any(
             KINDS[c.kind].makes_mig and c.device.startswith(f"{claim.device}-mig-") for c in others
         ):
             return None  # a full GPU is not given while it has MIG devices, not even to look at it
+        if claim.hold is Hold.ADMIN and any(
+            KINDS[c.kind].passes_through and c.units & claim.units for c in others
+        ):
+            return None  # a GPU on vfio-pci is gone from NVML's view, so not even looked at
         if claim.device in self.mig_mode_kept:
             return None  # its MIG mode may stay on for good: who switched it on was lost
         if claim.hold is Hold.SHARE:
@@ -698,11 +738,15 @@ class NodeStateModel(RuleBasedStateMachine):
         """The data directory is wiped or damaged while the driver is down; it starts again."""
         self._step(f"the state is {how}; restart")
         self._stop_all()
+        specs = self.node.specs.claim_uids()
         for claim in self.model:
             claim.named = False
-            if claim.may_hold and KINDS[claim.kind].makes_mig and not MIG_DEVICE_SURVIVES_LOST_STATE:
-                self.kept_mig.add(claim.device)
-            if claim.may_hold and KINDS[claim.kind].changes_gpu_settings:
+            kind = KINDS[claim.kind]
+            if claim.may_hold and kind.makes_mig and not MIG_DEVICE_SURVIVES_LOST_STATE:
+                self.kept.add(claim.device)
+            if claim.may_hold and kind.passes_through and claim.ref.uid not in specs:
+                self.kept.add(claim.device)  # on vfio-pci with no spec to tell whose: an administrator's
+            if claim.may_hold and kind.changes_gpu_settings:
                 self.settings_forgotten.add(claim.device)
         self.mig_mode_kept |= self._mig_mode_the_driver_switched_on()
         for path in sorted(self.data_dir.rglob("*"), reverse=True):
@@ -770,9 +814,17 @@ class NodeStateModel(RuleBasedStateMachine):
     @invariant()
     def every_mig_device_is_a_claims(self) -> None:
         """A MIG device the driver made belongs to a claim that may hold it: none leaks."""
-        holding = {c.device for c in self.model if c.may_hold and KINDS[c.kind].makes_mig} | self.kept_mig
+        holding = {c.device for c in self.model if c.may_hold and KINDS[c.kind].makes_mig} | self.kept
         for name in sorted(self._mig_devices() - {self.shape.static_mig}):
             assert name in holding, f"MIG device {name} is left with no claim" + self._history()
+
+    @invariant()
+    def no_gpu_stays_on_vfio_pci_without_a_claim(self) -> None:
+        for device, gpu in sorted(self.shape.passthrough_of.items()):
+            if device in self.kept or any(c.may_hold and c.device == device for c in self.model):
+                continue
+            driver = self._pci_driver(gpu)
+            assert driver == "nvidia", f"{gpu} is on {driver} with no claim of {device}" + self._history()
 
     @invariant()
     def a_node_with_no_claim_is_clean(self) -> None:
