@@ -25,9 +25,11 @@ the CDI directory, the GPUs and their MIG devices, the MPS daemons -- and the pr
   time slice back (unless the state that said what to put back was lost).
 * a GPU the driver switched into MIG mode has a MIG device left (on the NVML backend; the
   simulator has no MIG mode), unless the record that the driver switched it was lost.
-* no GPU stays on vfio-pci once no claim may hold it, unless a lost state forgot a crashed
-  passthrough prepare's GPU before its spec was written, which the node then takes for an
-  administrator's (docs/passthrough.md).
+* no GPU stays on vfio-pci once no claim may hold it.
+
+Except: what a prepare that died before writing its spec made (a MIG device, a GPU moved to
+vfio-pci) is the node's for good once a lost state forgot it, as nothing names it any more: the
+node takes it for an administrator's (docs/reliability.md, docs/passthrough.md).
 
 A crash is simulated in this process: at the chosen crash point the machine copies the files a
 SIGKILL would leave (state, CDI specs, the simulated GPUs), raises :class:`Crash`, which nothing
@@ -429,8 +431,9 @@ class NodeStateModel(RuleBasedStateMachine):
         self.gone: list[NodePreparer] = []  # stopped or crashed: kept, never called again
         # GPUs whose settings to put back were lost with the state while a claim had changed them
         self.settings_forgotten: set[str] = set()
-        # devices the node may keep for good: dynamic MIG devices (see MIG_DEVICE_SURVIVES_LOST_STATE),
-        # and passthrough devices whose GPU a lost state left on vfio-pci with no spec naming it
+        # devices the node may keep for good: what a claim with no spec made (a dynamic MIG device, its
+        # GPU moved to vfio-pci) when the state was lost (every dynamic MIG device of a claim then,
+        # without MIG_DEVICE_SURVIVES_LOST_STATE)
         self.kept: set[str] = set()
         # GPUs whose MIG mode the driver switched on when that record was lost: it may stay on
         self.mig_mode_kept: set[str] = set()
@@ -742,9 +745,12 @@ class NodeStateModel(RuleBasedStateMachine):
         for claim in self.model:
             claim.named = False
             kind = KINDS[claim.kind]
-            if claim.may_hold and kind.makes_mig and not MIG_DEVICE_SURVIVES_LOST_STATE:
+            # No spec names it (its prepare died before writing one): with the state, what it made is
+            # no claim's any more.
+            unnamed = claim.may_hold and claim.ref.uid not in specs
+            if claim.may_hold and kind.makes_mig and (unnamed or not MIG_DEVICE_SURVIVES_LOST_STATE):
                 self.kept.add(claim.device)
-            if claim.may_hold and kind.passes_through and claim.ref.uid not in specs:
+            if unnamed and kind.passes_through:
                 self.kept.add(claim.device)  # on vfio-pci with no spec to tell whose: an administrator's
             if claim.may_hold and kind.changes_gpu_settings:
                 self.settings_forgotten.add(claim.device)
