@@ -35,7 +35,8 @@ A crash is simulated in this process: at the chosen crash point the machine copi
 SIGKILL would leave (state, CDI specs, the simulated GPUs), raises :class:`Crash`, which nothing
 in the driver catches, and puts back those copies once the dying call has unwound, so whatever an
 ``except BaseException`` undid after the crash point is undone again; whatever else it had running
-is cancelled while every crash point still raises. The crashed instance is never called again.
+is cancelled while every crash point still raises, and the threads it had started are waited for (a
+SIGKILL ends them). The crashed instance is never called again.
 (MPS daemons are processes and survive a real SIGKILL; an in-process crash may stop them while
 unwinding, which the driver must cope with too.) A passthrough claim moves its GPU to vfio-pci on
 the simulated sysfs tree, which a crash copies and puts back with the rest, driver links included.
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import enum
@@ -63,7 +65,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
@@ -254,6 +256,35 @@ class Crash(BaseException):
     """A SIGKILL, in process: a BaseException, so that no ``except Exception`` of the driver takes it."""
 
 
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+THREADS_END_WITHIN_S = 30.0  # a crashed instance's threads end by then (an MPS daemon's stop takes 5)
+
+
+class Threads(concurrent.futures.ThreadPoolExecutor):
+    """The machine's loop's worker threads (``asyncio.to_thread``), with the calls still running.
+
+    Cancelling a crashed instance's call does not end the thread it waits on, as a SIGKILL would:
+    left running, a dead instance's stop of an MPS daemon removed the daemon that the next instance
+    had just started for the kubelet's retry. A crash is over once these calls have returned.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(thread_name_prefix="state-model")
+        self._running: set[concurrent.futures.Future[Any]] = set()
+
+    def submit(
+        self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs
+    ) -> concurrent.futures.Future[_T]:
+        future = super().submit(fn, *args, **kwargs)
+        self._running.add(future)
+        future.add_done_callback(self._running.discard)
+        return future
+
+    def running(self) -> list[concurrent.futures.Future[Any]]:
+        return list(self._running)
+
+
 _OWN_FDS = "/proc/self/fd"
 
 
@@ -275,6 +306,7 @@ class CrashPoints:
         self.fired_at: str | None = None
         self.fired = asyncio.Event()  # set on the machine's loop, from whichever thread crashed
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.threads: Threads | None = None  # the loop's worker threads, where the machine knows them
         self.restored_files = 0  # written after a crash point without passing another: put back
         self._original = crashpoint.reached
 
@@ -353,6 +385,8 @@ class CrashPoints:
         for ended in (task, *others):
             if ended.done() and not ended.cancelled():
                 ended.exception()  # seen: the crash it ended with is this one
+        if self.threads is not None and (running := self.threads.running()):
+            await asyncio.wait([asyncio.wrap_future(f) for f in running], timeout=THREADS_END_WITHIN_S)
         raise Crash(self.fired_at)
 
     def _drop_copy(self) -> None:
@@ -421,10 +455,12 @@ class NodeStateModel(RuleBasedStateMachine):
         self.root = Path(tempfile.mkdtemp(prefix="state-model-"))
         self.node: Node = self._make_node()
         self.loop = asyncio.new_event_loop()
+        threads = Threads()
+        self.loop.set_default_executor(threads)
         self.crashes = CrashPoints(
             (self.data_dir, self.node.cdi_dir, *self._hardware_dirs()), self.node.cdi_dir
         )
-        self.crashes.loop = self.loop
+        self.crashes.loop, self.crashes.threads = self.loop, threads
         self.crashes.install()
         self.model: list[Claim] = []
         self.instances: list[NodePreparer] = []  # alive, oldest first
