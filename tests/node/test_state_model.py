@@ -386,7 +386,11 @@ class CrashPoints:
             if ended.done() and not ended.cancelled():
                 ended.exception()  # seen: the crash it ended with is this one
         if self.threads is not None and (running := self.threads.running()):
-            await asyncio.wait([asyncio.wrap_future(f) for f in running], timeout=THREADS_END_WITHIN_S)
+            calls = [asyncio.wrap_future(f) for f in running]
+            await asyncio.wait(calls, timeout=THREADS_END_WITHIN_S)
+            for call in calls:
+                if call.done() and not call.cancelled():
+                    call.exception()  # seen: a crash, or what the dead instance's call ended with
         raise Crash(self.fired_at)
 
     def _drop_copy(self) -> None:
