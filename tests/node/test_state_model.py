@@ -25,14 +25,21 @@ the CDI directory, the GPUs and their MIG devices, the MPS daemons -- and the pr
   time slice back (unless the state that said what to put back was lost).
 * a GPU the driver switched into MIG mode has a MIG device left (on the NVML backend; the
   simulator has no MIG mode), unless the record that the driver switched it was lost.
+* no GPU stays on vfio-pci once no claim may hold it.
+
+Except: what a prepare that died before writing its spec made (a MIG device, a GPU moved to
+vfio-pci) is the node's for good once a lost state forgot it, as nothing names it any more: the
+node takes it for an administrator's (docs/reliability.md, docs/passthrough.md).
 
 A crash is simulated in this process: at the chosen crash point the machine copies the files a
 SIGKILL would leave (state, CDI specs, the simulated GPUs), raises :class:`Crash`, which nothing
 in the driver catches, and puts back those copies once the dying call has unwound, so whatever an
 ``except BaseException`` undid after the crash point is undone again; whatever else it had running
-is cancelled while every crash point still raises. The crashed instance is never called again.
+is cancelled while every crash point still raises, and the threads it had started are waited for (a
+SIGKILL ends them). The crashed instance is never called again.
 (MPS daemons are processes and survive a real SIGKILL; an in-process crash may stop them while
-unwinding, which the driver must cope with too.)
+unwinding, which the driver must cope with too.) A passthrough claim moves its GPU to vfio-pci on
+the simulated sysfs tree, which a crash copies and puts back with the rest, driver links included.
 
 The kinds, and the devices each may be allocated, are one table (:data:`KINDS`), with a column per
 node: :mod:`tests.node.test_state_model_nvml` runs the same machine on the NVML backend over the
@@ -46,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import enum
@@ -57,7 +65,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
@@ -90,6 +98,7 @@ class Kind(enum.StrEnum):
     SHARE = "share"
     TIME_SLICING = "time-slicing"
     MPS = "mps"
+    PASSTHROUGH = "passthrough"
 
 
 class Hold(enum.Enum):
@@ -115,13 +124,15 @@ class KindSpec:
     config: Mapping[str, Any] | None = None  # the opaque config the claim carries, if any
     changes_gpu_settings: bool = False  # compute mode or time slice, put back at unprepare
     makes_mig: bool = False  # the driver creates the claim's MIG device, and destroys it again
+    passes_through: bool = False  # the driver moves the claim's GPU to vfio-pci, and back again
 
 
 # One entry per kind. gpu-0 is a free H100 (full, or MIG devices the driver makes), gpu-1 an H100
 # with an administrator's (static) MIG device and room for 1g.10gb devices beside it, gpu-2/3 take
-# the sharing configs, gpu-4/5 the consumable shares. Conflicting allocations are drawn on purpose:
-# the scheduler never makes them, but a stale slice or a lost state can, and the node is the last
-# to refuse them.
+# the sharing configs, gpu-4/5 the consumable shares; gpu-0 and gpu-3 also go to virtual machines
+# (on the simulated node only: the NVML backend's sysfs tree is the host's). Conflicting
+# allocations are drawn on purpose: the scheduler never makes them, but a stale slice or a lost
+# state can, and the node is the last to refuse them.
 KINDS: dict[Kind, KindSpec] = {
     Kind.GPU: KindSpec(("gpu-0", "gpu-2", "gpu-3", "gpu-4"), ("gpu-0", "gpu-2", "gpu-3", "gpu-4")),
     Kind.MIG_DYNAMIC: KindSpec(
@@ -155,6 +166,7 @@ KINDS: dict[Kind, KindSpec] = {
         config=gpu_config({"strategy": "MPS"}),
         changes_gpu_settings=True,
     ),
+    Kind.PASSTHROUGH: KindSpec(("gpu-vfio-0", "gpu-vfio-3"), passes_through=True),
 }
 
 
@@ -167,10 +179,12 @@ class NodeShape:
     static_mig: str  # the administrator's MIG device, made before the driver starts
     share_gib: int  # the memory of one consumable share ...
     share_capacity_gib: int  # ... of which this much fits on one GPU
+    passthrough_of: Mapping[str, str] = dataclasses.field(default_factory=dict)  # the GPU of each
 
     def units(self, device: str) -> frozenset[tuple[str, int]]:
-        """The memory slices ``device`` occupies: all of a full GPU's, or a MIG placement's own."""
-        gpu, _, mig = device.partition("-mig-")
+        """The memory slices ``device`` occupies: all of a full GPU's (a passthrough device's too), or
+        a MIG placement's own."""
+        gpu, _, mig = self.passthrough_of.get(device, device).partition("-mig-")
         if not mig:
             return frozenset((gpu, s) for s in range(self.memory_slices))
         profile, _, start = mig.split("-")
@@ -178,8 +192,16 @@ class NodeShape:
         return frozenset((gpu, s) for s in range(first, first + self.mig_sizes[profile]))
 
 
-# The simulator's H100 profiles are the hardware's; four 5 GiB shares fit on an L4 (22 GiB).
-SIMULATED_NODE = NodeShape(8, {"1g10gb": 1, "3g40gb": 4}, "gpu-1-mig-3g40gb-9-0", 5, 22)
+# The simulator's H100 profiles are the hardware's; four 5 GiB shares fit on an L4 (22 GiB). Its
+# passthrough devices are numbered in PCI order, which is the minors' (checked as the machine starts).
+SIMULATED_NODE = NodeShape(
+    8,
+    {"1g10gb": 1, "3g40gb": 4},
+    "gpu-1-mig-3g40gb-9-0",
+    5,
+    22,
+    passthrough_of={"gpu-vfio-0": "gpu-0", "gpu-vfio-3": "gpu-3"},
+)
 # NVIDIA's H100 mock has 7 memory slices and a 3g.40gb of 3 (docs/mock-nvml.md); four 19 GiB shares
 # fit in its 80 GiB.
 NVML_NODE = NodeShape(7, {"1g10gb": 1, "3g40gb": 3}, "gpu-1-mig-3g40gb-2-0", 19, 80)
@@ -234,6 +256,35 @@ class Crash(BaseException):
     """A SIGKILL, in process: a BaseException, so that no ``except Exception`` of the driver takes it."""
 
 
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+THREADS_END_WITHIN_S = 30.0  # a crashed instance's threads end by then (an MPS daemon's stop takes 5)
+
+
+class Threads(concurrent.futures.ThreadPoolExecutor):
+    """The machine's loop's worker threads (``asyncio.to_thread``), with the calls still running.
+
+    Cancelling a crashed instance's call does not end the thread it waits on, as a SIGKILL would:
+    left running, a dead instance's stop of an MPS daemon removed the daemon that the next instance
+    had just started for the kubelet's retry. A crash is over once these calls have returned.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(thread_name_prefix="state-model")
+        self._running: set[concurrent.futures.Future[Any]] = set()
+
+    def submit(
+        self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs
+    ) -> concurrent.futures.Future[_T]:
+        future = super().submit(fn, *args, **kwargs)
+        self._running.add(future)
+        future.add_done_callback(self._running.discard)
+        return future
+
+    def running(self) -> list[concurrent.futures.Future[Any]]:
+        return list(self._running)
+
+
 _OWN_FDS = "/proc/self/fd"
 
 
@@ -255,6 +306,7 @@ class CrashPoints:
         self.fired_at: str | None = None
         self.fired = asyncio.Event()  # set on the machine's loop, from whichever thread crashed
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.threads: Threads | None = None  # the loop's worker threads, where the machine knows them
         self.restored_files = 0  # written after a crash point without passing another: put back
         self._original = crashpoint.reached
 
@@ -333,6 +385,12 @@ class CrashPoints:
         for ended in (task, *others):
             if ended.done() and not ended.cancelled():
                 ended.exception()  # seen: the crash it ended with is this one
+        if self.threads is not None and (running := self.threads.running()):
+            calls = [asyncio.wrap_future(f) for f in running]
+            await asyncio.wait(calls, timeout=THREADS_END_WITHIN_S)
+            for call in calls:
+                if call.done() and not call.cancelled():
+                    call.exception()  # seen: a crash, or what the dead instance's call ended with
         raise Crash(self.fired_at)
 
     def _drop_copy(self) -> None:
@@ -359,6 +417,15 @@ def _restore_tree(copy: Path, live: Path) -> int:
             changed += 1
     for entry in copy.iterdir():
         target = live / entry.name
+        if entry.is_symlink():  # sysfs's driver links
+            if not target.is_symlink() or target.readlink() != entry.readlink():
+                if target.is_dir() and not target.is_symlink():
+                    shutil.rmtree(target)
+                elif target.is_symlink() or target.exists():
+                    target.unlink()
+                target.symlink_to(entry.readlink())
+                changed += 1
+            continue
         if entry.is_dir() and not entry.is_symlink():
             changed += _restore_tree(entry, target)
         elif entry.is_file() and not (target.is_file() and filecmp.cmp(entry, target, shallow=False)):
@@ -392,18 +459,22 @@ class NodeStateModel(RuleBasedStateMachine):
         self.root = Path(tempfile.mkdtemp(prefix="state-model-"))
         self.node: Node = self._make_node()
         self.loop = asyncio.new_event_loop()
+        threads = Threads()
+        self.loop.set_default_executor(threads)
         self.crashes = CrashPoints(
             (self.data_dir, self.node.cdi_dir, *self._hardware_dirs()), self.node.cdi_dir
         )
-        self.crashes.loop = self.loop
+        self.crashes.loop, self.crashes.threads = self.loop, threads
         self.crashes.install()
         self.model: list[Claim] = []
         self.instances: list[NodePreparer] = []  # alive, oldest first
         self.gone: list[NodePreparer] = []  # stopped or crashed: kept, never called again
         # GPUs whose settings to put back were lost with the state while a claim had changed them
         self.settings_forgotten: set[str] = set()
-        # dynamic MIG devices the node may keep for good (see MIG_DEVICE_SURVIVES_LOST_STATE)
-        self.kept_mig: set[str] = set()
+        # devices the node may keep for good: what a claim with no spec made (a dynamic MIG device, its
+        # GPU moved to vfio-pci) when the state was lost (every dynamic MIG device of a claim then,
+        # without MIG_DEVICE_SURVIVES_LOST_STATE)
+        self.kept: set[str] = set()
         # GPUs whose MIG mode the driver switched on when that record was lost: it may stay on
         self.mig_mode_kept: set[str] = set()
         self.steps: list[str] = []
@@ -414,6 +485,10 @@ class NodeStateModel(RuleBasedStateMachine):
     def _make_node(self) -> Node:
         node = make_node(self.root)
         node.backend.admin_create_mig(1, "3g.40gb", 0)  # the static MIG device
+        self.passthrough = node.backend.pci().passthrough_gpus()  # as with --passthrough on
+        self.gpu_addresses = {f"gpu-{gpu.minor}": gpu.pci_bus_id for gpu in node.backend.inventory().gpus}
+        for device, gpu in self.shape.passthrough_of.items():
+            assert f"gpu-vfio-{self.passthrough[self.gpu_addresses[gpu]].index}" == device
         return node
 
     def _hardware_dirs(self) -> tuple[Path, ...]:
@@ -422,7 +497,7 @@ class NodeStateModel(RuleBasedStateMachine):
 
     def _new_preparer(self) -> NodePreparer:
         """A plugin instance, as a new process of the DaemonSet starts it."""
-        return self.node.preparer(consumable=True)
+        return self.node.preparer(consumable=True, passthrough=self.passthrough)
 
     @property
     def mps(self) -> LocalMpsDaemons:
@@ -448,6 +523,10 @@ class NodeStateModel(RuleBasedStateMachine):
     def _mig_mode_the_driver_switched_on(self) -> set[str]:
         """The GPUs in MIG mode that were not before the driver started (the simulator has no mode)."""
         return set()
+
+    def _pci_driver(self, gpu: str) -> str | None:
+        """The driver ``gpu`` is bound to, as sysfs says (only asked where passthrough is drawn)."""
+        return self.node.backend.pci().driver(self.gpu_addresses[gpu])
 
     # --- the node's plumbing ---------------------------------------------------------------------
 
@@ -522,12 +601,16 @@ class NodeStateModel(RuleBasedStateMachine):
         conflicting = [c for c in others if claim.conflicts(c)]
         if any(c.status is Status.PREPARED for c in conflicting):
             return False
-        if conflicting or any(claim.units & self.shape.units(kept) for kept in self.kept_mig):
+        if conflicting or any(claim.units & self.shape.units(kept) for kept in self.kept):
             return None
         if claim.hold is Hold.ADMIN and any(
             KINDS[c.kind].makes_mig and c.device.startswith(f"{claim.device}-mig-") for c in others
         ):
             return None  # a full GPU is not given while it has MIG devices, not even to look at it
+        if claim.hold is Hold.ADMIN and any(
+            KINDS[c.kind].passes_through and c.units & claim.units for c in others
+        ):
+            return None  # a GPU on vfio-pci is gone from NVML's view, so not even looked at
         if claim.device in self.mig_mode_kept:
             return None  # its MIG mode may stay on for good: who switched it on was lost
         if claim.hold is Hold.SHARE:
@@ -698,11 +781,18 @@ class NodeStateModel(RuleBasedStateMachine):
         """The data directory is wiped or damaged while the driver is down; it starts again."""
         self._step(f"the state is {how}; restart")
         self._stop_all()
+        specs = self.node.specs.claim_uids()
         for claim in self.model:
             claim.named = False
-            if claim.may_hold and KINDS[claim.kind].makes_mig and not MIG_DEVICE_SURVIVES_LOST_STATE:
-                self.kept_mig.add(claim.device)
-            if claim.may_hold and KINDS[claim.kind].changes_gpu_settings:
+            kind = KINDS[claim.kind]
+            # No spec names it (its prepare died before writing one): with the state, what it made is
+            # no claim's any more.
+            unnamed = claim.may_hold and claim.ref.uid not in specs
+            if claim.may_hold and kind.makes_mig and (unnamed or not MIG_DEVICE_SURVIVES_LOST_STATE):
+                self.kept.add(claim.device)
+            if unnamed and kind.passes_through:
+                self.kept.add(claim.device)  # on vfio-pci with no spec to tell whose: an administrator's
+            if claim.may_hold and kind.changes_gpu_settings:
                 self.settings_forgotten.add(claim.device)
         self.mig_mode_kept |= self._mig_mode_the_driver_switched_on()
         for path in sorted(self.data_dir.rglob("*"), reverse=True):
@@ -770,9 +860,17 @@ class NodeStateModel(RuleBasedStateMachine):
     @invariant()
     def every_mig_device_is_a_claims(self) -> None:
         """A MIG device the driver made belongs to a claim that may hold it: none leaks."""
-        holding = {c.device for c in self.model if c.may_hold and KINDS[c.kind].makes_mig} | self.kept_mig
+        holding = {c.device for c in self.model if c.may_hold and KINDS[c.kind].makes_mig} | self.kept
         for name in sorted(self._mig_devices() - {self.shape.static_mig}):
             assert name in holding, f"MIG device {name} is left with no claim" + self._history()
+
+    @invariant()
+    def no_gpu_stays_on_vfio_pci_without_a_claim(self) -> None:
+        for device, gpu in sorted(self.shape.passthrough_of.items()):
+            if device in self.kept or any(c.may_hold and c.device == device for c in self.model):
+                continue
+            driver = self._pci_driver(gpu)
+            assert driver == "nvidia", f"{gpu} is on {driver} with no claim of {device}" + self._history()
 
     @invariant()
     def a_node_with_no_claim_is_clean(self) -> None:
