@@ -662,9 +662,23 @@ def _check_released(
             f"MIG devices {sorted(leaked_mig)}, MPS daemons {sorted(state.mps_daemons)}, "
             f"GPU settings not restored on {list(changed)}, GPUs off nvidia {leaked_vfio}"
         )
+    for address in leaked_vfio:  # what the daemon did with it: a leak seen once must be explainable
+        lines = _lines_on(plugin, address)
+        figures.problems.append(f"{label}: the daemon's last lines on {address}:\n{lines}")
     return bool(
         state.specs or migs or state.records or state.mps_daemons or state.changed_gpus or state.off_nvidia
     )
+
+
+def _lines_on(plugin: Plugin, text: str, most: int = 12) -> str:
+    """The last lines of the daemon's log (both instances') that mention ``text``."""
+    found = [
+        line
+        for log in sorted(plugin.log.parent.glob("daemon*.log"))
+        for line in log.read_text(errors="replace").splitlines()
+        if text in line
+    ]
+    return "\n".join(found[-most:])
 
 
 async def _reset(node: SimNode, plugin: Plugin, static: str) -> None:
