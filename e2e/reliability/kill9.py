@@ -16,10 +16,13 @@ The pod's claims are of every kind the node prepares (:data:`KINDS`), drawn as t
 would place them (no two exclusive claims of one memory slice): a full GPU, a 1g.10gb MIG device
 that prepare creates (dynamic MIG), the administrator's 3g.40gb MIG device on gpu-0 (static MIG),
 a share of a GPU (consumable capacity: a ``shareID`` and 10Gi of its memory), a full GPU with a
-TimeSlicing or an MPS config, and admin access (a monitoring container's) to a GPU or to the static
-MIG device, most often beside the claim that holds it. Run ``n`` always has a claim of kind
-``KINDS[n % len(KINDS)]``, so a short run covers every kind. The daemon runs with
-``--consumable-capacity``, as it must to prepare shares.
+TimeSlicing or an MPS config, admin access (a monitoring container's) to a GPU or to the static
+MIG device, most often beside the claim that holds it, and a GPU passed through to a virtual
+machine (``gpu-vfio-<index>``: prepare binds it to vfio-pci in the simulated node's sysfs tree,
+unprepare back to nvidia) on a GPU no other claim of the pod holds, as the scheduler places it
+(its counters are the whole GPU's). Run ``n`` always has a claim of kind ``KINDS[n % len(KINDS)]``,
+so a short run covers every kind. The daemon runs with ``--consumable-capacity`` and
+``--passthrough``, as it must to prepare shares and passthrough devices.
 
 Some runs add what a node goes through less often:
 
@@ -33,11 +36,17 @@ Some runs add what a node goes through less often:
 
 After the prepare has succeeded everything the kubelet was told is checked (each claim has its
 CDI spec and a record, each dynamic MIG device it names exists, no memory slice of a GPU is held by
-two exclusive claims, no GPU both shared and held); after the unprepare has succeeded, that nothing
-is left: no spec, no record, no MIG device but the administrator's, no MPS daemon, every GPU's
-compute mode and time slice back (unless the store that said what to put back was lost). A MIG
-device that the driver had created but no CDI spec named yet when the store was lost cannot be told
-from an administrator's: it stays, and is counted apart (``kill9.mig_kept_after_store_loss``).
+two exclusive claims, no GPU both shared and held, or passed through and held by another claim),
+and that a GPU is on vfio-pci exactly while a passthrough claim's record holds it, and the
+GPU of every passthrough claim prepared is there (its ``driver`` link in the sysfs tree); after the
+unprepare has succeeded, that nothing is left: no spec, no record, no MIG device but the
+administrator's, no MPS daemon, every GPU's compute mode and time slice back (unless the store that
+said what to put back was lost), every GPU back on nvidia. A MIG device that the driver had
+created but no CDI spec named yet when the store was lost cannot be told from an administrator's:
+it stays, and is counted apart (``kill9.mig_kept_after_store_loss``). So does a GPU bound to
+vfio-pci by a prepare that died before it wrote the spec, when the store is then lost
+(``kill9.vfio_kept_after_store_loss``, docs/passthrough.md): nothing names it, so the driver
+leaves it to an administrator, and the claim's retried prepare is refused, not counted as failed.
 """
 
 from __future__ import annotations
@@ -56,6 +65,8 @@ from typing import Any
 
 from dra_driver.cdi.store import SpecStore
 from dra_driver.crashpoint import POINTS
+from dra_driver.devices.pci import NVIDIA, VFIO_PCI, PciBus
+from dra_driver.devices.sim_sysfs import SimulatedKernel
 from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import ComputePolicy
 from dra_driver.node.config import API_VERSION
@@ -72,6 +83,7 @@ from e2e.reliability.plugin import (
     NodeState,
     Plugin,
     PluginDied,
+    sysfs_root,
 )
 
 MIG_PROFILE = "1g10gb-19"  # H100 1g.10gb: profile id 19, placements 0..6
@@ -79,15 +91,22 @@ STATIC_MIG = "gpu-0-mig-3g40gb-9-0"  # the administrator's 3g.40gb on gpu-0 (pro
 SHARE_MEMORY = "10Gi"
 RETRIES = 8  # the kubelet retries forever; a claim that needs more than this is counted as failed
 SECOND_POD_UID = "second-pod"  # the other instance of a two-instance run
-DAEMON_ARGS = ("--consumable-capacity",)  # shares are prepared only on a node that publishes them
+# Shares and passthrough devices are prepared only on a node that publishes them.
+DAEMON_ARGS = ("--consumable-capacity", "--passthrough")
 
-KINDS = ("gpu", "mig-dynamic", "mig-static", "share", "time-slicing", "mps", "admin-gpu", "admin-mig")
+KINDS = (
+    "gpu", "mig-dynamic", "mig-static", "share", "time-slicing", "mps", "admin-gpu", "admin-mig",
+    "passthrough",
+)  # fmt: skip
 # How often each kind is drawn for a pod's further claims (the first is KINDS[run % len(KINDS)]).
-_WEIGHTS = {"gpu": 3, "mig-dynamic": 3, "mig-static": 1, "share": 2, "time-slicing": 1, "mps": 1}
+_WEIGHTS = {
+    "gpu": 3, "mig-dynamic": 3, "mig-static": 1, "share": 2, "time-slicing": 1, "mps": 1, "passthrough": 1,
+}  # fmt: skip
 _WHOLE_GPUS = range(1, 8)  # gpu-0 is in MIG mode (the static MIG device): never given whole
 _TIME_SLICES = ("Short", "Medium", "Long")
 
 _MIG_POINTS = {p for p in POINTS if p.startswith("mig.")}
+_VFIO_POINTS = {p for p in POINTS if p.startswith("vfio.")}
 # What a start-up that repairs the state writes through (the store's or the checkpoint's points); a
 # start with nothing to repair passes none of them, and the daemon dies there later in the run.
 _RECOVERY_POINTS = [p for p in POINTS if p.startswith(("store.", "datafile.", "journal."))] or list(POINTS)
@@ -112,6 +131,11 @@ class Kill9Figures:
     leftover_temp_files: int = 0  # half-written specs still there after the restart
     static_mig_lost: int = 0  # runs after which the administrator's MIG device was gone
     mig_kept_after_store_loss: int = 0  # the driver's, made before the loss but named by no spec yet
+    # GPUs found where no claim says: on vfio-pci with no passthrough claim holding them, or a prepared
+    # passthrough claim's GPU not there
+    wrong_bindings: int = 0
+    leaked_vfio: int = 0  # GPUs still off nvidia after the unprepare
+    vfio_kept_after_store_loss: int = 0  # bound before the loss, named by no spec yet: as for MIG
     killed_at: Counter[str] = field(default_factory=Counter)
     claims_by_kind: Counter[str] = field(default_factory=Counter)
     store_losses: Counter[str] = field(default_factory=Counter)  # "deleted" / "corrupted": applied
@@ -135,6 +159,9 @@ class Kill9Figures:
             "kill9.leftover_temp_files": self.leftover_temp_files,
             "kill9.static_mig_lost": self.static_mig_lost,
             "kill9.mig_kept_after_store_loss": self.mig_kept_after_store_loss,
+            "kill9.wrong_bindings": self.wrong_bindings,
+            "kill9.leaked_vfio": self.leaked_vfio,
+            "kill9.vfio_kept_after_store_loss": self.vfio_kept_after_store_loss,
             "kill9.killed_at": dict(sorted(self.killed_at.items())),
             "kill9.kinds": sorted(self.claims_by_kind),
             "kill9.claims_by_kind": dict(sorted(self.claims_by_kind.items())),
@@ -146,7 +173,7 @@ class Kill9Figures:
 @dataclass(frozen=True)
 class ClaimPlan:
     kind: str  # one of KINDS
-    device: str  # what the scheduler allocated: "gpu-3", "gpu-3-mig-1g10gb-19-4", ...
+    device: str  # what the scheduler allocated: "gpu-3", "gpu-3-mig-1g10gb-19-4", "gpu-vfio-3", ...
 
 
 @dataclass(frozen=True)
@@ -170,9 +197,15 @@ class _Placement:
         self.shares: Counter[int] = Counter()  # shares per GPU
         self.slices: dict[int, set[int]] = {}  # dynamic MIG placements per GPU
         self.static = False  # the static MIG device is taken
+        self.passed_through: set[int] = set()  # GPUs given whole to a virtual machine
 
     def _free(self, gpu: int) -> bool:
-        return gpu not in self.whole and not self.shares[gpu] and not self.slices.get(gpu)
+        return (
+            gpu not in self.whole
+            and gpu not in self.passed_through
+            and not self.shares[gpu]
+            and not self.slices.get(gpu)
+        )
 
     def place(self, kind: str) -> ClaimPlan:
         """A device for ``kind``; a full GPU when nothing of that kind is left in this pod."""
@@ -188,6 +221,13 @@ class _Placement:
             gpu = rng.choice(free)
             self.whole.add(gpu)
             return f"gpu-{gpu}"
+        if kind == "passthrough":  # the GPU's whole counter set: nothing else of the GPU beside it
+            free = [g for g in _WHOLE_GPUS if self._free(g)]
+            if not free:
+                return None
+            gpu = rng.choice(free)
+            self.passed_through.add(gpu)
+            return f"gpu-vfio-{gpu}"  # the simulated DGX H100's GPUs are numbered in PCI order
         if kind == "share":  # up to two shares of one GPU in a pod; often a second on the same GPU
             open_ = [g for g in _WHOLE_GPUS if self.shares[g] == 1] if rng.random() < 0.5 else []
             free = open_ or [g for g in _WHOLE_GPUS if self._free(g)]
@@ -200,7 +240,7 @@ class _Placement:
             places = [
                 (g, start)
                 for g in range(8)
-                if g not in self.whole and not self.shares[g]
+                if g not in self.whole and g not in self.passed_through and not self.shares[g]
                 for start in (range(4, 7) if g == 0 else range(7))  # gpu-0: beside the static device
                 if start not in self.slices.get(g, set())
             ]
@@ -215,9 +255,8 @@ class _Placement:
         if kind == "admin-gpu":  # most often a GPU another claim of the pod holds
             if self.whole and rng.random() < 0.8:
                 return f"gpu-{rng.choice(sorted(self.whole))}"
-            return (
-                f"gpu-{rng.choice([g for g in _WHOLE_GPUS if not self.shares[g] and not self.slices.get(g)])}"
-            )
+            # Not a GPU on vfio-pci: NVML, and so the slice, no longer has it.
+            return f"gpu-{rng.choice([g for g in _WHOLE_GPUS if self._free(g) or g in self.whole])}"
         assert kind == "admin-mig", kind
         return STATIC_MIG
 
@@ -233,6 +272,7 @@ def plan_run(rng: random.Random, number: int) -> Plan:
     ordered = sorted(kinds, key=lambda kind: kind.startswith("admin-"))
     claims = tuple(placement.place(kind) for kind in ordered)
     migs = sum(c.kind == "mig-dynamic" for c in claims)
+    vfios = sum(c.kind == "passthrough" for c in claims)
     crash_point: str | None = None
     external: tuple[str, float] | None = None
     # Every seventh run (and a few more) with two instances; every seventh other run loses the store.
@@ -241,7 +281,7 @@ def plan_run(rng: random.Random, number: int) -> Plan:
     if not second and (number % 7 == 5 or rng.random() < 0.15):
         store_loss = _STORE_LOSSES[number // 7 % 2] if number % 7 == 5 else rng.choice(_STORE_LOSSES)
     if rng.random() < 0.7 and not (store_loss and number % 7 == 5):
-        points = [p for p in POINTS if migs or p not in _MIG_POINTS]
+        points = [p for p in POINTS if (migs or p not in _MIG_POINTS) and (vfios or p not in _VFIO_POINTS)]
         point = rng.choice(points)
         if point.startswith("store."):
             # Per claim its record (one step, or Reserve + Progress per MIG device, MPS daemon or GPU
@@ -250,6 +290,8 @@ def plan_run(rng: random.Random, number: int) -> Plan:
             hits = 1 + 3 * len(claims) + 3 * migs
         elif point.startswith("mig."):
             hits = migs
+        elif point.startswith("vfio."):
+            hits = vfios
         else:
             hits = len(claims)
         crash_point = f"{point}@{rng.randint(1, hits)}"
@@ -332,7 +374,7 @@ async def _one_run(
     label = f"run {number} {plan}"
     killed = False
     store_lost = False
-    kept_mig: set[str] = set()  # the driver's MIG devices that no spec named when the store was lost
+    kept = _Kept()  # what the driver had made or bound but no spec named when the store was lost
 
     def instances() -> list[Plugin]:
         return [p for p in (plugin, second) if p is not None and p.running]
@@ -351,7 +393,9 @@ async def _one_run(
         nonlocal killed, store_lost
         first, killed = not killed, True
         if first and plan.store_loss is not None:
-            kept_mig.update(await asyncio.to_thread(_lose_store, node, plugin.paths, plan.store_loss, static))
+            lost = await asyncio.to_thread(_lose_store, node, plugin.paths, plan.store_loss, static)
+            kept.mig |= lost.mig
+            kept.vfio |= lost.vfio
             figures.store_losses[plan.store_loss] += 1
             store_lost = True
         if first and plan.recovery_crash_point is not None:
@@ -393,10 +437,13 @@ async def _one_run(
             pending = [c for c in claims if c.uid not in told_prepared]
             if pending:
                 await asyncio.sleep(0.1)
+        # A passthrough claim whose GPU the lost store forgot on vfio-pci is refused: documented.
+        refused = _on_kept_gpus(plugin.paths, plan, claims, kept) if pending else set()
+        pending = [c for c in pending if c.uid not in refused]
         if pending:
             figures.failed_claims += len(pending)
             figures.problems.append(f"{label}: prepare never succeeded: {result}")
-        _check_prepared(node, plugin, claims, told_prepared, figures, label, store_lost)
+        _check_prepared(node, plugin, plan, claims, told_prepared, figures, label, store_lost, kept)
 
     result = await _call(plugin, send("unprepare", claims), plan, "unprepare")
     await ensure_running()
@@ -414,7 +461,7 @@ async def _one_run(
         figures.problems.append(f"{label}: unprepare never succeeded: {result}")
     if second is not None:
         await second.stop()
-    if _check_released(node, plugin, figures, label, static, store_lost, kept_mig):
+    if _check_released(node, plugin, figures, label, static, store_lost, kept):
         await _reset(node, plugin, static)
     if killed:
         figures.kills += 1
@@ -471,12 +518,24 @@ def _where(plugin: Plugin, plan: Plan) -> str:
     return f"random moment of {plan.external_kill[0]}"
 
 
-def _lose_store(node: SimNode, paths: DriverPaths, how: str, static: str) -> set[str]:
-    """Delete the node's store, or overwrite it with garbage, while no daemon runs; the driver's MIG
-    devices that no CDI spec names yet (they cannot be told from an administrator's any more)."""
+@dataclass
+class _Kept:
+    """What the driver had made, or bound, but no CDI spec named when the store was lost: it cannot be
+    told from an administrator's any more, so it stays."""
+
+    mig: set[str] = field(default_factory=set)  # MIG devices' uuids
+    vfio: set[str] = field(default_factory=set)  # PCI addresses of GPUs on vfio-pci
+
+
+def _lose_store(node: SimNode, paths: DriverPaths, how: str, static: str) -> _Kept:
+    """Delete the node's store, or overwrite it with garbage, while no daemon runs; what no CDI spec
+    names yet of the driver's MIG devices and GPUs on vfio-pci."""
     state = NodeState.read(paths, node.name)
     spec_text = "".join(path.read_text(errors="replace") for path in paths.cdi.glob("*.json"))
-    unnamed = {m.uuid for m in state.mig_devices if m.uuid != static and m.uuid not in spec_text}
+    unnamed = _Kept(
+        mig={m.uuid for m in state.mig_devices if m.uuid != static and m.uuid not in spec_text},
+        vfio={address for address in state.off_nvidia if address not in spec_text},
+    )
     store = paths.data / STORE_FILE_NAME
     for companion in paths.data.glob(f"{STORE_FILE_NAME}-*"):  # its write-ahead log and shared memory
         companion.unlink()
@@ -487,14 +546,27 @@ def _lose_store(node: SimNode, paths: DriverPaths, how: str, static: str) -> set
     return unnamed
 
 
+def _on_kept_gpus(paths: DriverPaths, plan: Plan, claims: list[ClaimRef], kept: _Kept) -> set[str]:
+    """The passthrough claims (uids) whose GPU a lost store left on vfio-pci, named by nothing."""
+    places = PciBus(sysfs_root(paths)).passthrough_gpus()
+    names = {f"gpu-vfio-{place.index}": address for address, place in places.items()}
+    return {
+        claim.uid
+        for planned, claim in zip(plan.claims, claims, strict=True)
+        if planned.kind == "passthrough" and names.get(planned.device) in kept.vfio
+    }
+
+
 def _check_prepared(
     node: SimNode,
     plugin: Plugin,
+    plan: Plan,
     claims: list[ClaimRef],
     told_prepared: set[str],
     figures: Kill9Figures,
     label: str,
     store_lost: bool,
+    kept: _Kept,
 ) -> None:
     state = NodeState.read(plugin.paths, node.name)
     live = {m.uuid for m in state.mig_devices}
@@ -517,6 +589,37 @@ def _check_prepared(
     doubles = state.double_allocations()
     figures.double_allocations += len(doubles)
     figures.problems.extend(f"{label}: held twice: {d}" for d in doubles)
+    wrong = _wrong_bindings(state, plan, claims, told_prepared, kept)
+    figures.wrong_bindings += len(wrong)
+    figures.problems.extend(f"{label}: {problem}" for problem in wrong)
+
+
+def _wrong_bindings(
+    state: NodeState, plan: Plan, claims: list[ClaimRef], told_prepared: set[str], kept: _Kept
+) -> list[str]:
+    """A GPU is on vfio-pci exactly while a passthrough claim's record holds it (or a lost store
+    forgot it there), and each passthrough claim the kubelet was told is prepared holds the GPU its
+    device names, on vfio-pci."""
+    holders = state.passthrough_holders()
+    wrong = [
+        f"GPU {address} is bound to {driver} but no passthrough claim holds it"
+        for address, driver in state.off_nvidia.items()
+        if address not in holders and address not in kept.vfio
+    ]
+    wrong += [
+        f"GPU {address} is held by passthrough claims {sorted(uids)} but bound to "
+        f"{state.off_nvidia.get(address, NVIDIA)}"
+        for address, uids in holders.items()
+        if uids & told_prepared and state.off_nvidia.get(address, NVIDIA) != VFIO_PCI
+    ]
+    for planned, claim in zip(plan.claims, claims, strict=True):
+        record = state.records.get(claim.uid)
+        if planned.kind != "passthrough" or claim.uid not in told_prepared or record is None:
+            continue
+        gpus = [d.passthrough.parent_device for d in record.devices if d.passthrough is not None]
+        if gpus != [planned.device.replace("-vfio-", "-")]:
+            wrong.append(f"claim {claim.uid} of {planned.device} passed through {gpus}")
+    return wrong
 
 
 def _check_released(
@@ -526,18 +629,22 @@ def _check_released(
     label: str,
     static: str,
     store_lost: bool,
-    kept_mig: set[str],
+    kept: _Kept,
 ) -> bool:
     """Counts what the run left behind; whether anything must be cleaned up before the next run."""
     state = NodeState.read(plugin.paths, node.name)
     migs = {m.uuid for m in state.mig_devices} - {static}
-    kept = migs & kept_mig
-    leaked_mig = migs - kept
+    kept_mig = migs & kept.mig
+    leaked_mig = migs - kept_mig
+    kept_vfio = set(state.off_nvidia) & kept.vfio
+    leaked_vfio = {a: driver for a, driver in state.off_nvidia.items() if a not in kept_vfio}
     # The compute mode and time slice to put back are part of the claim's record: lost with the store.
     changed = () if store_lost else state.changed_gpus
     figures.leaked_specs += len(state.specs)
     figures.leaked_mig += len(leaked_mig)
-    figures.mig_kept_after_store_loss += len(kept)
+    figures.mig_kept_after_store_loss += len(kept_mig)
+    figures.leaked_vfio += len(leaked_vfio)
+    figures.vfio_kept_after_store_loss += len(kept_vfio)
     figures.leaked_records += len(state.records)
     figures.leaked_mps_daemons += len(state.mps_daemons)
     figures.settings_not_restored += len(changed)
@@ -549,18 +656,35 @@ def _check_released(
         figures.problems.append(f"{label}: temporary files left: {list(state.temp_files)}")
         for temp in state.temp_files:  # counted once, not again in every later run
             Path(temp).unlink()
-    if state.specs or leaked_mig or state.records or state.mps_daemons or changed:
+    if state.specs or leaked_mig or state.records or state.mps_daemons or changed or leaked_vfio:
         figures.problems.append(
             f"{label}: left behind specs {sorted(state.specs)}, records {sorted(state.records)}, "
             f"MIG devices {sorted(leaked_mig)}, MPS daemons {sorted(state.mps_daemons)}, "
-            f"GPU settings not restored on {list(changed)}"
+            f"GPU settings not restored on {list(changed)}, GPUs off nvidia {leaked_vfio}"
         )
-    return bool(state.specs or migs or state.records or state.mps_daemons or state.changed_gpus)
+    for address in leaked_vfio:  # what the daemon did with it: a leak seen once must be explainable
+        lines = _lines_on(plugin, address)
+        figures.problems.append(f"{label}: the daemon's last lines on {address}:\n{lines}")
+    return bool(
+        state.specs or migs or state.records or state.mps_daemons or state.changed_gpus or state.off_nvidia
+    )
+
+
+def _lines_on(plugin: Plugin, text: str, most: int = 12) -> str:
+    """The last lines of the daemon's log (both instances') that mention ``text``."""
+    found = [
+        line
+        for log in sorted(plugin.log.parent.glob("daemon*.log"))
+        for line in log.read_text(errors="replace").splitlines()
+        if text in line
+    ]
+    return "\n".join(found[-most:])
 
 
 async def _reset(node: SimNode, plugin: Plugin, static: str) -> None:
     """Wipe the node after a leak (or what a lost store left: an operator's work), so that one leak is
-    counted once, not again in every later run. The administrator's MIG device stays."""
+    counted once, not again in every later run: GPUs back on nvidia too. The administrator's MIG device
+    stays."""
     await plugin.stop()
     state = NodeState.read(plugin.paths, node.name)
     specs = SpecStore(plugin.paths.cdi, DRIVER)
@@ -574,6 +698,10 @@ async def _reset(node: SimNode, plugin: Plugin, static: str) -> None:
     for pid in state.mps_pids:  # also those no pid file names (``stop`` finds only those)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    root = sysfs_root(plugin.paths)
+    bus = PciBus(root, SimulatedKernel(root).write)  # as an administrator's echo into bind would
+    for address in state.off_nvidia:
+        bus.bind_nvidia(address)
     backend = SimulatedBackend(PROFILE, node.name, plugin.paths.data)
     try:
         for mig in state.mig_devices:

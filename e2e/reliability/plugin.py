@@ -24,6 +24,7 @@ import grpc
 from bench.kubelet import register
 from dra_driver.cdi.store import SpecStore
 from dra_driver.crashpoint import ENV as CRASH_POINT_ENV
+from dra_driver.devices.pci import NVIDIA, PciBus
 from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import ComputePolicy, MigDevice
 from dra_driver.kubelet.pb.dra.v1 import dra_pb2, dra_pb2_grpc
@@ -245,6 +246,7 @@ def read_records(path: Path) -> dict[str, ClaimRecord]:
 
 
 MPS_DIR = "mps"  # the simulated node's MPS daemons (stand-in processes), under the data directory
+SYSFS_DIR = "sysfs"  # the simulated GPUs' sysfs tree (driver bindings), under the data directory
 _SLICES = 8  # memory slices of an H100: a full GPU occupies all of them
 
 
@@ -259,6 +261,8 @@ class NodeState:
     mps_daemons: frozenset[str] = frozenset()  # MPS control daemons running or left (their ids)
     mps_pids: tuple[int, ...] = ()  # the processes of those that run, with a directory or without
     changed_gpus: tuple[str, ...] = ()  # GPUs (device names) not at the default compute mode and time slice
+    # GPUs (PCI addresses) that the sysfs tree shows bound elsewhere than nvidia: their driver, or None
+    off_nvidia: dict[str, str | None] = field(default_factory=dict)
 
     @classmethod
     def read(cls, paths: DriverPaths, node: str) -> NodeState:
@@ -276,6 +280,8 @@ class NodeState:
         mps = paths.data / MPS_DIR  # a daemon's directory lives as long as the daemon (mps_local)
         directories = {entry.name for entry in mps.iterdir() if entry.is_dir()} if mps.exists() else set()
         processes = mps_processes(mps)
+        bus = PciBus(sysfs_root(paths))  # read only: the tree's links, as the kernel keeps them
+        drivers = {address: bus.driver(address) for address in bus.nvidia_gpus()}
         # The driver's own temporary files are hidden (the CDI specs'); the
         # simulator's state file stands in for hardware and is not counted.
         temps = tuple(
@@ -293,13 +299,24 @@ class NodeState:
             mps_daemons=frozenset(directories | set(processes.values())),
             mps_pids=tuple(processes),
             changed_gpus=changed,
+            off_nvidia={address: driver for address, driver in drivers.items() if driver != NVIDIA},
         )
+
+    def passthrough_holders(self) -> dict[str, set[str]]:
+        """By PCI address, the claims whose records pass that GPU through (to vfio-pci)."""
+        holders: dict[str, set[str]] = {}
+        for uid, record in self.records.items():
+            for device in record.devices:
+                if device.passthrough is not None:
+                    holders.setdefault(device.passthrough.pci_bus_id, set()).add(uid)
+        return holders
 
     def double_allocations(self) -> list[str]:
         """Hardware that two claims' records hold exclusively at once: a memory slice of a GPU (a full
-        GPU occupies all of its slices, a MIG device those of its placement), one MIG device (by its
-        uuid), or a GPU both shared (consumable capacity) and held whole or in part. Admin access
-        occupies nothing; shares of one GPU may be many; a claim's own results never conflict."""
+        GPU occupies all of its slices, and so does its passthrough device, a MIG device those of its
+        placement), one MIG device (by its uuid), or a GPU both shared (consumable capacity) and held
+        whole or in part (or passed through). Admin access occupies nothing; shares of one GPU may be
+        many; a claim's own results never conflict."""
         holders: dict[tuple[str, int | str], set[str]] = {}  # (GPU, memory slice) or (MIG uuid, "") -> claims
         shared: dict[str, set[str]] = {}  # GPU -> claims holding a share of it
         for uid, record in self.records.items():
@@ -319,6 +336,11 @@ class NodeState:
             if whole:
                 found.add(f"{gpu} shared by {sorted(sharing)} and held by {sorted(whole)}")
         return sorted(found)
+
+
+def sysfs_root(paths: DriverPaths) -> Path:
+    """Where the simulated node's sysfs tree is: the daemon runs without --sysfs-root."""
+    return paths.data / SYSFS_DIR
 
 
 def mps_processes(root: Path) -> dict[int, str]:
@@ -346,9 +368,12 @@ def _held_twice(unit: tuple[str, int | str], uids: set[str]) -> str:
 
 
 def _units(device: DeviceRecord) -> list[tuple[str, int | str]]:
-    """The memory slices a device occupies: a full GPU all of its own; a MIG device those of its
+    """The memory slices a device occupies: a full GPU all of its own, and so does a passthrough
+    device (``gpu-vfio-<index>``) those of the GPU its record names; a MIG device those of its
     placement, as its record tells (dynamic MIG) or its name does (``gpu-0-mig-3g40gb-9-0``: an H100
     profile's size in memory slices, then its start); a device of another name itself."""
+    if device.passthrough is not None:
+        return [(device.passthrough.parent_device, index) for index in range(_SLICES)]
     gpu, _, mig = device.device.partition("-mig-")
     if not mig:
         return [(gpu, index) for index in range(_SLICES)]
