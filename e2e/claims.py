@@ -1,7 +1,10 @@
 """Claims for one particular GPU of a test node, and pods using them: what the health and maintenance
-tests need to aim at a GPU they tainted, cordoned or share."""
+tests need to aim at a GPU they tainted, cordoned or share; and a claim of one device of a class
+that a CEL selector picks, with its pod on one node."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from e2e import manifests
 from e2e.cluster import JsonObject, RestClient
@@ -73,3 +76,29 @@ def wait_unschedulable(rest: RestClient, namespace: str, name: str) -> JsonObjec
 
 def claim_of(rest: RestClient, namespace: str, name: str) -> JsonObject:
     return rest.get(f"{collection('ResourceClaim', namespace)}/{name}")
+
+
+def claim_and_pod(name: str, device_class: str, selector: str | None, node: str) -> list[JsonObject]:
+    """A claim for one device of ``device_class`` (that ``selector`` picks, if given), and a pod
+    using it that may only go to ``node``."""
+    exactly: dict[str, Any] = {"deviceClassName": device_class}
+    if selector is not None:
+        exactly["selectors"] = [{"cel": {"expression": selector}}]
+    claim = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}},
+    }
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "resourceClaims": [{"name": "gpu", "resourceClaimName": name}],
+            "containers": [
+                {"name": "app", "image": "ubuntu:24.04", "resources": {"claims": [{"name": "gpu"}]}}
+            ],
+        },
+    }
+    return manifests.pinned([claim, pod], node)

@@ -5,8 +5,9 @@ Tests create exactly what the documentation shows, so an example that stops work
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import yaml
@@ -68,6 +69,18 @@ def pinned(objects: Iterable[JsonObject], node_name: str) -> list[JsonObject]:
             obj["spec"].setdefault("nodeSelector", {})["kubernetes.io/hostname"] = node_name
         result.append(obj)
     return result
+
+
+@contextlib.contextmanager
+def created(rest: RestClient, objects: list[JsonObject]) -> Iterator[None]:
+    """Cluster-scoped ``objects`` (DeviceClasses, say) created for the block, then deleted."""
+    for item in objects:
+        rest.create(collection(item["kind"]), item)
+    try:
+        yield
+    finally:
+        for item in objects:
+            rest.delete(object_path(item))
 
 
 def apply(rest: RestClient, objects: Iterable[JsonObject], namespace: str) -> list[JsonObject]:

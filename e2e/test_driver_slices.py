@@ -22,6 +22,7 @@ from dra_driver.resources.server_rules import rules_for
 from dra_driver.resources.wire import ResourceSlice
 from dra_driver.settings import Settings
 from e2e import manifests
+from e2e.claims import claim_and_pod
 from e2e.cluster import ClusterInfo, FakeNodeFactory, JsonObject, RestClient
 from e2e.driver import DRIVER_NAME
 from e2e.gpu_node import SLICES, node_slices_query, published_devices
@@ -119,40 +120,6 @@ def mixed_node(
         delete_pool(rest, name)
 
 
-def claim_and_pod(name: str, node_name: str, expression: str, device_class: str) -> list[JsonObject]:
-    """A claim for one device matching `expression`, and a pod using it that may only go to the node."""
-    claim = {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"name": name},
-        "spec": {
-            "devices": {
-                "requests": [
-                    {
-                        "name": "gpu",
-                        "exactly": {
-                            "deviceClassName": device_class,
-                            "selectors": [{"cel": {"expression": expression}}],
-                        },
-                    }
-                ]
-            }
-        },
-    }
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name},
-        "spec": {
-            "resourceClaims": [{"name": "gpu", "resourceClaimName": name}],
-            "containers": [
-                {"name": "app", "image": "ubuntu:24.04", "resources": {"claims": [{"name": "gpu"}]}}
-            ],
-        },
-    }
-    return manifests.pinned([claim, pod], node_name)
-
-
 def allocated_device(rest: RestClient, namespace: str, claim: str, node_name: str) -> str:
     allocated = rest.wait_for(
         collection("ResourceClaim", namespace),
@@ -236,7 +203,7 @@ def test_scheduler_allocates_a_device_that_satisfies_the_selector(
 ) -> None:
     node_name, devices = mixed_node
     expression, satisfying = SELECTORS[selector]
-    manifests.apply(rest, claim_and_pod("gpu", node_name, expression(devices), gpu_device_class), namespace)
+    manifests.apply(rest, claim_and_pod("gpu", gpu_device_class, expression(devices), node_name), namespace)
 
     assert allocated_device(rest, namespace, "gpu", node_name) in satisfying
 
@@ -258,7 +225,7 @@ def test_a_selector_that_nothing_satisfies_leaves_the_claim_unallocated_and_the_
 ) -> None:
     node_name, _ = mixed_node
     expression = f'{_ATTRIBUTES}.productName.startsWith("NVIDIA B200")'
-    manifests.apply(rest, claim_and_pod("b200", node_name, expression, gpu_device_class), namespace)
+    manifests.apply(rest, claim_and_pod("b200", gpu_device_class, expression, node_name), namespace)
 
     pod = wait_unschedulable(rest, namespace, "b200")
     assert not pod["spec"].get("nodeName")
@@ -271,13 +238,13 @@ def test_a_gpu_in_use_whole_offers_no_mig_partition_while_another_gpu_does(
 ) -> None:
     node_name, devices = mixed_node
     first, second = (_attribute(devices, gpu, "uuid") for gpu in ("gpu-0", "gpu-1"))
-    whole = claim_and_pod("whole", node_name, f'{_ATTRIBUTES}.uuid == "{first}"', gpu_device_class)
+    whole = claim_and_pod("whole", gpu_device_class, f'{_ATTRIBUTES}.uuid == "{first}"', node_name)
     manifests.apply(rest, whole, namespace)
     assert allocated_device(rest, namespace, "whole", node_name) == "gpu-0"
 
     for name, parent in (("mig-on-used-gpu", first), ("mig-on-free-gpu", second)):
         expression = f'{_ATTRIBUTES}.parentUUID == "{parent}" && {_ATTRIBUTES}.profile == "1g.10gb"'
-        manifests.apply(rest, claim_and_pod(name, node_name, expression, mig_device_class), namespace)
+        manifests.apply(rest, claim_and_pod(name, mig_device_class, expression, node_name), namespace)
 
     assert allocated_device(rest, namespace, "mig-on-free-gpu", node_name).startswith("gpu-1-mig-1g10gb-")
     # The whole GPU consumes all of its counters: none of its MIG placements fits any more.

@@ -14,14 +14,13 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from dra_driver.node.nvidia_config import NVIDIA_DRIVER_NAME
 from e2e import manifests
-from e2e.claims import gpu_uuid
-from e2e.cluster import ClusterInfo, JsonObject, RestClient
+from e2e.claims import claim_and_pod, gpu_uuid
+from e2e.cluster import ClusterInfo, RestClient
 from e2e.daemon import wait_until
 from e2e.gpu_node import GpuNode, published_devices
 from e2e.workloads import delete_pod, pod_claim, wait_running
@@ -44,12 +43,8 @@ CASES = [
 @pytest.fixture(scope="module")
 def nvidia_device_classes(cluster: ClusterInfo) -> Iterator[None]:
     rest = cluster.rest()
-    classes = manifests.load(NVIDIA_EXAMPLES / "deviceclasses.yaml")
-    for device_class in classes:
-        rest.create(manifests.collection("DeviceClass"), device_class)
-    yield
-    for device_class in classes:
-        rest.delete(manifests.object_path(device_class))
+    with manifests.created(rest, manifests.load(NVIDIA_EXAMPLES / "deviceclasses.yaml")):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -93,30 +88,6 @@ def simulate(node: GpuNode, *args: str) -> str:
     argv = [sys.executable, "-m", "dra_driver", "simulate", *args]
     argv += [f"--simulate={PROFILE}", f"--node-name={node.name}", f"--data-dir={node.driver.paths.data}"]
     return subprocess.run(argv, check=True, capture_output=True, text=True).stdout.strip()
-
-
-def claim_and_pod(name: str, device_class: str, selector: str | None, node: str) -> list[JsonObject]:
-    exactly: dict[str, Any] = {"deviceClassName": device_class}
-    if selector is not None:
-        exactly["selectors"] = [{"cel": {"expression": selector}}]
-    claim = {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"name": name},
-        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}},
-    }
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name},
-        "spec": {
-            "resourceClaims": [{"name": "gpu", "resourceClaimName": name}],
-            "containers": [
-                {"name": "app", "image": "ubuntu:24.04", "resources": {"claims": [{"name": "gpu"}]}}
-            ],
-        },
-    }
-    return manifests.pinned([claim, pod], node)
 
 
 @pytest.mark.parametrize(("row", "kind"), CASES)

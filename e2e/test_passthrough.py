@@ -17,7 +17,7 @@ import pytest
 from dra_driver.devices.pci import NVIDIA, VFIO_PCI, PciBus
 from dra_driver.node.nvidia_config import NVIDIA_DRIVER_NAME
 from e2e import manifests
-from e2e.claims import wait_unschedulable
+from e2e.claims import claim_and_pod, wait_unschedulable
 from e2e.cluster import ClusterInfo, JsonObject, RestClient
 from e2e.daemon import wait_until
 from e2e.gpu_node import GpuNode, published_devices
@@ -29,6 +29,8 @@ NVIDIA_EXAMPLES = manifests.EXAMPLES / "nvidia"
 EXAMPLE = manifests.load(NVIDIA_EXAMPLES / "passthrough.yaml")
 VM_CLAIM, VM_POD = "single-gpu-full-vfioconfig", "pod1-full-vfioconfig"
 
+RETRY_S = 240  # an unschedulable pod's next scheduling attempt, on a loaded machine
+
 
 @pytest.fixture(scope="module")
 def device_classes(cluster: ClusterInfo) -> Iterator[None]:
@@ -37,11 +39,8 @@ def device_classes(cluster: ClusterInfo) -> Iterator[None]:
         *manifests.load(NVIDIA_EXAMPLES / "deviceclasses.yaml"),
         *manifests.of_kind(EXAMPLE, "DeviceClass"),
     ]
-    for device_class in classes:
-        rest.create(manifests.collection("DeviceClass"), device_class)
-    yield
-    for device_class in classes:
-        rest.delete(manifests.object_path(device_class))
+    with manifests.created(rest, classes):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -84,39 +83,6 @@ def passed_through(spec: JsonObject) -> tuple[str, str]:
     return gpu, address
 
 
-def claim_and_pod(name: str, device_class: str, selector: str) -> list[JsonObject]:
-    claim = {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"name": name},
-        "spec": {
-            "devices": {
-                "requests": [
-                    {
-                        "name": "gpu",
-                        "exactly": {
-                            "deviceClassName": device_class,
-                            "selectors": [{"cel": {"expression": selector}}],
-                        },
-                    }
-                ]
-            }
-        },
-    }
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name},
-        "spec": {
-            "resourceClaims": [{"name": "gpu", "resourceClaimName": name}],
-            "containers": [
-                {"name": "app", "image": "ubuntu:24.04", "resources": {"claims": [{"name": "gpu"}]}}
-            ],
-        },
-    }
-    return [claim, pod]
-
-
 def test_nvidias_passthrough_claim_gets_the_gpu_on_vfio_and_holds_it_against_full_and_mig_claims(
     rest: RestClient, vfio_node: GpuNode, namespace: str
 ) -> None:
@@ -153,18 +119,18 @@ def test_nvidias_passthrough_claim_gets_the_gpu_on_vfio_and_holds_it_against_ful
     )
     bus_id = f'device.attributes["resource.kubernetes.io"].pciBusID == "{address}"'
     for name, device_class in (("whole", "gpu.nvidia.com"), ("part", "mig.nvidia.com")):
-        manifests.apply(
-            rest, manifests.pinned(claim_and_pod(name, device_class, bus_id), node.name), namespace
-        )
+        manifests.apply(rest, claim_and_pod(name, device_class, bus_id, node.name), namespace)
         wait_unschedulable(rest, namespace, name)
 
     delete_pod(rest, namespace, VM_POD)
     wait_until(lambda: bus(node).driver(address) == NVIDIA, timeout_seconds=60, waiting_for="nvidia again")
-    # Back on nvidia and in the slice: the waiting claims of the GPU now get it, one at a time.
-    whole = pod_claim(rest, wait_running(rest, namespace, "whole"), "gpu")
+    # Back on nvidia and in the slice: the waiting claims of the GPU now get it, one at a time. The
+    # scheduler retries an unschedulable pod when the slice changes, or once its backoff ends: on a
+    # loaded machine that can take longer than a pod's usual start.
+    whole = pod_claim(rest, wait_running(rest, namespace, "whole", timeout_seconds=RETRY_S), "gpu")
     assert [r["device"] for r in whole["status"]["allocation"]["devices"]["results"]] == [f"gpu-{minor}"]
     delete_pod(rest, namespace, "whole")
-    wait_running(rest, namespace, "part")
+    wait_running(rest, namespace, "part", timeout_seconds=RETRY_S)
     delete_pod(rest, namespace, "part")
 
 
@@ -176,19 +142,15 @@ def test_a_gpu_in_use_is_not_allocated_for_passthrough_by_the_scheduler(
     published = published_devices(rest, node.name, NVIDIA_DRIVER_NAME)
     address = published["gpu-3"]["attributes"]["resource.kubernetes.io/pciBusID"]["string"]
     bus_id = f'device.attributes["resource.kubernetes.io"].pciBusID == "{address}"'
-    manifests.apply(
-        rest, manifests.pinned(claim_and_pod("cuda", "gpu.nvidia.com", bus_id), node.name), namespace
-    )
+    manifests.apply(rest, claim_and_pod("cuda", "gpu.nvidia.com", bus_id, node.name), namespace)
     wait_running(rest, namespace, "cuda")
 
-    manifests.apply(
-        rest, manifests.pinned(claim_and_pod("vm", "vfio.gpu.nvidia.com", bus_id), node.name), namespace
-    )
+    manifests.apply(rest, claim_and_pod("vm", "vfio.gpu.nvidia.com", bus_id, node.name), namespace)
     wait_unschedulable(rest, namespace, "vm")
     assert bus(node).driver(address) == NVIDIA
 
     delete_pod(rest, namespace, "cuda")
-    wait_running(rest, namespace, "vm")
+    wait_running(rest, namespace, "vm", timeout_seconds=RETRY_S)
     assert bus(node).driver(address) == VFIO_PCI
     delete_pod(rest, namespace, "vm")
     wait_until(lambda: bus(node).driver(address) == NVIDIA, timeout_seconds=60, waiting_for="nvidia again")

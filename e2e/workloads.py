@@ -27,12 +27,14 @@ def pod_path(namespace: str, name: str) -> str:
     return f"{collection('Pod', namespace)}/{name}"
 
 
-def wait_running(rest: RestClient, namespace: str, name: str) -> JsonObject:
+def wait_running(
+    rest: RestClient, namespace: str, name: str, timeout_seconds: float = _DEFAULT_TIMEOUT
+) -> JsonObject:
     return rest.wait_for(
         collection("Pod", namespace),
         name,
         lambda pod: pod.get("status", {}).get("phase") == "Running",
-        timeout_seconds=_DEFAULT_TIMEOUT,
+        timeout_seconds=timeout_seconds,
     )
 
 
