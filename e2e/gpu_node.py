@@ -3,7 +3,8 @@ registration directory, as on a real node. Everything on the node lives under on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from e2e.cluster import GPU_NODE_LABELS, ApiError, ClusterInfo, JsonObject, RestClient
@@ -93,6 +94,16 @@ class GpuNode:
     def stop(self) -> None:
         self.driver.stop()
         self.harness.stop()
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[GpuNode]:
+        """The node started for the block (a module's fixture), removed after it, or after a start
+        that failed half-way."""
+        try:
+            self.start()
+            yield self
+        finally:
+            self.remove()
 
     def remove(self) -> None:
         """Stops both and deletes the Node and its slices from the API server."""

@@ -66,11 +66,8 @@ def gpu_node(
         "node-admin-access",
         driver_args=["--mig-partitions=0,1,2,4,5,6,7"],
     )
-    try:
-        node.start()
+    with node.running():
         yield node
-    finally:
-        node.remove()
 
 
 @pytest.fixture

@@ -52,11 +52,8 @@ def binding_node(
         profile=PROFILE,
         driver_args=["--binding-conditions=auto"],  # off by default (docs/binding-conditions.md)
     )
-    try:
-        node.start()
+    with node.running():
         yield node
-    finally:
-        node.remove()
 
 
 def mig_creation(node: GpuNode, minor: int, mode: Literal["ok", "held", "failing"]) -> None:

@@ -52,11 +52,8 @@ def gpu_node(
         name,
         driver_args=["--consumable-capacity"],
     )
-    try:
-        node.start()
+    with node.running():
         yield node
-    finally:
-        node.remove()
 
 
 def share_of(claim: JsonObject) -> JsonObject:

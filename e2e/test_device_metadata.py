@@ -49,11 +49,8 @@ def gpu_node(
         name,
         driver_args=["--device-metadata"],
     )
-    try:
-        node.start()
+    with node.running():
         yield node
-    finally:
-        node.remove()
 
 
 def spec_mounts(node: GpuNode, cdi_id: str) -> list[dict[str, Any]]:

@@ -145,11 +145,8 @@ def gpu_node(
         "node-health",
         driver_args=["--mig-partitions=all"],
     )
-    try:
-        node.start()
+    with node.running():
         yield node
-    finally:
-        node.remove()
 
 
 @pytest.fixture(autouse=True)

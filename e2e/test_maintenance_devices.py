@@ -100,11 +100,8 @@ def gpu_node(
         "node-maint",
         driver_name=DRIVER,
     )
-    try:
-        node.start()
+    with node.running():
         yield node
-    finally:
-        node.remove()
 
 
 @pytest.fixture

@@ -65,11 +65,8 @@ def gpu_node(
         # Static MIG devices are noticed by re-reading the GPUs: soon, for the test that makes one.
         driver_args=["--inventory-refresh-seconds=1"],
     )
-    try:
-        node.start()
+    with node.running():
         yield node
-    finally:
-        node.remove()
 
 
 # --- what the node's GPUs say -----------------------------------------------------------------------------

@@ -36,11 +36,8 @@ def gpu_node(
         "node-labels",
         driver_args=["--node-labels=true", "--inventory-refresh-seconds=1"],
     )
-    try:
-        node.start()
+    with node.running():
         yield node
-    finally:
-        node.remove()
 
 
 def labels(rest: RestClient, node: GpuNode) -> dict[str, str]:

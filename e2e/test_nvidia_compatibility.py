@@ -157,11 +157,8 @@ def default_node(
         profile=PROFILE,
         driver_name=NVIDIA_DRIVER_NAME,
     )
-    try:
-        node.start()
+    with node.running():
         yield node
-    finally:
-        node.remove()
 
 
 def test_nvidias_admin_access_claim_runs_beside_the_workload_on_a_default_install(

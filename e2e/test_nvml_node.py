@@ -50,11 +50,8 @@ def gpu_node(
     """A DGX H100 on the mock NVML (replaces conftest.py's simulated node for this module)."""
     base_dir = tmp_path_factory.mktemp("node-nvml")
     node = GpuNode(cluster, kubelet_harness_binary, base_dir, "node-nvml", mock_nvml="dgxh100")
-    try:
-        node.start()
+    with node.running():
         yield node
-    finally:
-        node.remove()
 
 
 def hardware(node: GpuNode, command: str) -> str:

@@ -45,11 +45,8 @@ def gpu_node(
     """This module's node: the PCIe server with bridged pairs (replaces conftest's DGX H100)."""
     name = "node-topology"
     node = GpuNode(cluster, kubelet_harness_binary, tmp_path_factory.mktemp(name), name, profile=PROFILE)
-    try:
-        node.start()
+    with node.running():
         yield node
-    finally:
-        node.remove()
 
 
 @pytest.fixture(scope="module")
