@@ -9,6 +9,7 @@ GPU's driver binding is read from the node's simulated sysfs tree, where the dri
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from e2e.claims import claim_and_pod, wait_unschedulable
 from e2e.cluster import ClusterInfo, JsonObject, RestClient
 from e2e.daemon import wait_until
 from e2e.gpu_node import GpuNode, published_devices
-from e2e.workloads import delete_pod, pod_claim, wait_running
+from e2e.workloads import delete_pod, pod_claim, pod_path, wait_running
 
 pytestmark = pytest.mark.e2e
 
@@ -124,14 +125,31 @@ def test_nvidias_passthrough_claim_gets_the_gpu_on_vfio_and_holds_it_against_ful
 
     delete_pod(rest, namespace, VM_POD)
     wait_until(lambda: bus(node).driver(address) == NVIDIA, timeout_seconds=60, waiting_for="nvidia again")
-    # Back on nvidia and in the slice: the waiting claims of the GPU now get it, one at a time. The
-    # scheduler retries an unschedulable pod when the slice changes, or once its backoff ends: on a
-    # loaded machine that can take longer than a pod's usual start.
-    whole = pod_claim(rest, wait_running(rest, namespace, "whole", timeout_seconds=RETRY_S), "gpu")
-    assert [r["device"] for r in whole["status"]["allocation"]["devices"]["results"]] == [f"gpu-{minor}"]
-    delete_pod(rest, namespace, "whole")
-    wait_running(rest, namespace, "part", timeout_seconds=RETRY_S)
-    delete_pod(rest, namespace, "part")
+    # Back on nvidia and in the slice: the waiting claims of the GPU now get it, one at a time, in
+    # the order the scheduler picks (either may be first). It retries an unschedulable pod when the
+    # slice changes, or once its backoff ends: on a loaded machine that can take longer than a pod's
+    # usual start.
+    waiting = {"whole": f"gpu-{minor}", "part": f"gpu-{minor}-mig-.+"}  # the device each gets
+    while waiting:
+        first = wait_until(
+            lambda: next((name for name in waiting if is_running(rest, namespace, name)), None),
+            timeout_seconds=RETRY_S,
+            waiting_for=f"one of {sorted(waiting)} to get the GPU back",
+        )
+        claim = pod_claim(rest, rest.get(pod_path(namespace, first)), "gpu")
+        (result,) = claim["status"]["allocation"]["devices"]["results"]
+        assert re.fullmatch(waiting[first], result["device"]), result["device"]
+        others = [name for name in waiting if name != first]
+        assert not any(is_running(rest, namespace, name) for name in others), (
+            "the full GPU and a MIG device at once"
+        )
+        delete_pod(rest, namespace, first)
+        del waiting[first]
+
+
+def is_running(rest: RestClient, namespace: str, name: str) -> bool:
+    phase: str | None = rest.get(pod_path(namespace, name)).get("status", {}).get("phase")
+    return phase == "Running"
 
 
 def test_a_gpu_in_use_is_not_allocated_for_passthrough_by_the_scheduler(
