@@ -89,7 +89,7 @@ if TYPE_CHECKING:  # only for the annotations: dra_driver.kube imports the clien
 
     from dra_driver.computedomain.plugin import ComputeDomainPlugin
     from dra_driver.http import StatusServer
-    from dra_driver.launch import KubeletFront
+    from dra_driver.kubelet.front import KubeletFront
     from dra_driver.metrics import Metrics
 
 log = structlog.get_logger("dra_driver.app")

@@ -20,26 +20,17 @@ import asyncio
 import importlib
 import signal
 import time
-from dataclasses import dataclass
 
 import structlog
 
 from dra_driver.kubelet.deferred import DeferredPreparer
+from dra_driver.kubelet.front import KubeletFront
 from dra_driver.kubelet.health import HealthBoard
 from dra_driver.kubelet.server import KubeletPlugin
 from dra_driver.settings import Settings
 from dra_driver.startup import check_before_starting
 
 log = structlog.get_logger("dra_driver.launch")
-
-
-@dataclass(frozen=True)
-class KubeletFront:
-    """What the kubelet already talks to while the rest of the daemon starts."""
-
-    plugin: KubeletPlugin
-    claims: DeferredPreparer  # hand it the real preparer once the store is repaired
-    health: HealthBoard  # the devices' health, streamed to the kubelet
 
 
 async def run_plugin(settings: Settings, stop: asyncio.Event | None = None) -> None:
