@@ -15,13 +15,11 @@ that was never lost lasts until the plugin restarts.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
-import threading
+import functools
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import pynvml
 import structlog
@@ -29,6 +27,7 @@ import structlog
 from dra_driver.devices.backend import Backend, DeviceError
 from dra_driver.devices.faults import APPLICATION_XIDS, XID_MEANINGS, Fault, FaultKind, NodeFaults, carry_over
 from dra_driver.devices.nvml import DEFAULT_CALL_TIMEOUT, NvmlBackend
+from dra_driver.devices.nvml_calls import NvmlCalls, NvmlHungError
 from dra_driver.devices.simulated import SimulatedBackend
 
 log = structlog.get_logger(__name__)
@@ -156,66 +155,6 @@ class _XidEvent:
     gpu_instance: int | None
 
 
-T = TypeVar("T")
-
-
-class NvmlHungError(DeviceError):
-    """An NVML call did not answer in time (or an earlier one still has not)."""
-
-
-class _NvmlCalls:
-    """The health watch's NVML calls: one at a time, each in a daemon thread, each bounded.
-
-    NVML calls cannot be interrupted, and one can block in the kernel driver for good (a GPU that
-    stopped answering). The caller stops waiting after ``timeout`` seconds; the thread is left to
-    finish, and no other call starts before it has, so a hung driver costs one thread, not one
-    per period. Daemon threads: a hung call does not hold up the process's exit either, as a
-    thread of asyncio's default executor would.
-    """
-
-    def __init__(self, timeout: float) -> None:
-        self._timeout = timeout
-        self._pending: concurrent.futures.Future[Any] | None = None
-        self._pending_action = ""
-
-    async def call(self, action: str, fn: Callable[..., T], *args: Any, extra_seconds: float = 0.0) -> T:
-        if self._pending is not None and not self._pending.done():
-            raise NvmlHungError(
-                f"NVML has not answered {self._pending_action} for over {self._timeout:g}s; "
-                "the GPU or its driver is hung (check dmesg for Xid errors)"
-            )
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                future.set_result(fn(*args))
-            except BaseException as error:  # handed to the waiting coroutine
-                future.set_exception(error)
-
-        self._pending, self._pending_action = future, action
-        threading.Thread(target=run, name="nvml-health", daemon=True).start()
-        try:
-            # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation that arrives as
-            # the call answers, and a cancelled health watch then never stops.
-            async with asyncio.timeout(self._timeout + extra_seconds):
-                return await asyncio.shield(asyncio.wrap_future(future))
-        except TimeoutError:
-            log.error("nvml_call_timed_out", action=action, timeout_seconds=self._timeout)
-            raise NvmlHungError(
-                f"NVML did not answer {action} within {self._timeout:g}s; the GPU or its driver is hung "
-                "(check dmesg for Xid errors; a GPU reset or a node reboot clears it)"
-            ) from None
-
-    async def settled(self, seconds: float) -> bool:
-        """Whether no call is running, after waiting up to ``seconds`` for the last one."""
-        if self._pending is None or self._pending.done():
-            return True
-        with contextlib.suppress(Exception):  # its outcome is no longer anyone's business
-            async with asyncio.timeout(seconds):
-                await asyncio.shield(asyncio.wrap_future(self._pending))
-        return self._pending.done()
-
-
 class NvmlHealthSource:
     """Critical Xid events from an NVML event set, and a check for lost GPUs every period.
 
@@ -233,9 +172,10 @@ class NvmlHealthSource:
     backend switched one (``mig_mode_switches`` counts), the GPUs are registered again in a new
     event set.
 
-    Every NVML call runs bounded (:class:`_NvmlCalls`): one that has not answered after
-    ``call_timeout`` seconds is logged, and until it returns every GPU the watch knows is reported
-    unmonitored, saying so; the watch goes on, and stops promptly when cancelled.
+    Every NVML call runs bounded, one at a time (:mod:`dra_driver.devices.nvml_calls`): one that
+    has not answered after ``call_timeout`` seconds is logged, and until it returns every GPU the
+    watch knows is reported unmonitored, saying so; the watch goes on, and stops promptly when
+    cancelled.
     """
 
     def __init__(
@@ -253,7 +193,7 @@ class NvmlHealthSource:
         self._clock = clock
         self._known_gpus = dict(known_gpus or {})
         self._mig_mode_switches = mig_mode_switches
-        self._nvml = _NvmlCalls(call_timeout)
+        self._nvml = NvmlCalls(call_timeout, one_at_a_time=True)
 
     async def watch(self) -> AsyncIterator[NodeFaults]:
         switches = self._mig_mode_switches()
@@ -262,7 +202,9 @@ class NvmlHealthSource:
         try:
             while registered is None:
                 try:
-                    registered = await self._nvml.call("registering the GPUs for Xid events", self._register)
+                    registered = await self._nvml.run_async(
+                        "registering the GPUs for Xid events", self._register
+                    )
                 except NvmlHungError as error:
                     observed = self._observed(_Registered(None), {}, set(), int(self._clock()), error)
                     latest = carry_over(current or {}, observed)
@@ -275,15 +217,19 @@ class NvmlHealthSource:
                 hung: NvmlHungError | None = None
                 try:
                     if self._mig_mode_switches() != switches:
-                        fresh = await self._nvml.call("registering the GPUs for Xid events", self._register)
+                        fresh = await self._nvml.run_async(
+                            "registering the GPUs for Xid events", self._register
+                        )
                         switches = self._mig_mode_switches()
                         stale, registered = registered, fresh
-                        await self._nvml.call("freeing an NVML event set", _free_event_set, stale.event_set)
+                        await self._nvml.run_async(
+                            "freeing an NVML event set", functools.partial(_free_event_set, stale.event_set)
+                        )
                         log.info(
                             "a GPU switched MIG mode, which may reset it: its Xid events are registered again"
                         )
-                    lost = await self._nvml.call(
-                        "checking which GPUs NVML reaches", self._unreachable, registered
+                    lost = await self._nvml.run_async(
+                        "checking which GPUs NVML reaches", functools.partial(self._unreachable, registered)
                     )
                 except NvmlHungError as error:
                     hung, lost = error, set()
@@ -302,23 +248,29 @@ class NvmlHealthSource:
                     current = latest
                     yield latest
                 try:
-                    events = await self._nvml.call(
+                    events = await self._nvml.run_async(
                         "waiting for NVML events",
-                        self._next_events,
-                        registered,
+                        functools.partial(self._next_events, registered),
                         extra_seconds=self._timeout_ms / 1000,
                     )
                     for event in events:
                         self._record(event, registered, xids, now=int(self._clock()))
                     if registered.unidentified:
-                        await self._nvml.call("identifying GPUs", self._identify, registered)
+                        await self._nvml.run_async(
+                            "identifying GPUs", functools.partial(self._identify, registered)
+                        )
                 except NvmlHungError:
                     await asyncio.sleep(self._timeout_ms / 1000)  # reported at the next round
         finally:
             # A cancelled watch waits for its NVML call (an event wait: one period) before freeing
             # the event set the call may use; a hung call keeps the set, and stopping goes on.
             if registered is not None and await self._nvml.settled(self._timeout_ms / 1000 + 1):
-                await asyncio.to_thread(_free_event_set, registered.event_set)
+                try:
+                    await self._nvml.run_async(
+                        "freeing an NVML event set", functools.partial(_free_event_set, registered.event_set)
+                    )
+                except NvmlHungError as error:
+                    log.warning("the health watch's event set is not freed", error=str(error))
             elif registered is not None:
                 log.warning("an NVML call of the health watch never returned; its event set is not freed")
 

@@ -16,8 +16,9 @@ NVML's own failures are contained per GPU: a GPU that fails to answer is left
 out of the inventory with a log line, the others are published. Optional reads
 (MIG mode, core counts, profiles) treat FunctionNotFound, what an older driver
 answers for a call it lacks, like NotSupported. Every public method runs NVML
-in a worker thread and gives up after ``call_timeout`` seconds, so an NVML call
-that hangs fails one operation with a clear error instead of hanging the daemon. A GPU
+on the process's one NVML executor and gives up after ``call_timeout`` seconds
+(:mod:`dra_driver.devices.nvml_calls`), so an NVML call that hangs fails one
+operation with a clear error instead of hanging the daemon. A GPU
 instance that a failed creation's rollback could not destroy is remembered
 (:class:`~dra_driver.devices.types.OrphanedGpuInstance`; the node keeps them in its store and
 hands them back at start), kept off the published devices, and destroyed at the next inventory
@@ -35,13 +36,12 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import queue
 import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pynvml
 import structlog
@@ -60,6 +60,7 @@ from dra_driver.devices.naming import (
     split_pci_device_id,
 )
 from dra_driver.devices.nvcaps import caps_major, ensure_node, read_capability
+from dra_driver.devices.nvml_calls import NvmlCalls
 from dra_driver.devices.nvml_policy import NvmlComputePolicy
 from dra_driver.devices.pci import PciBus
 from dra_driver.devices.topology import NVSWITCH_WITHOUT_ADDRESS
@@ -106,8 +107,6 @@ _ABSENT = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound)
 MIG_MODE_FILE = "nvml-mig-mode.json"
 DEFAULT_CALL_TIMEOUT = 60.0
 _ROLLBACK_ATTEMPTS = 3
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -159,7 +158,7 @@ class NvmlBackend:
         self._sysfs_root = sysfs_root
         self._procfs_root = procfs_root
         self._dev_root = dev_root
-        self._call_timeout = call_timeout
+        self._nvml = NvmlCalls(call_timeout)
         self._mig_mode_file = state_dir / MIG_MODE_FILE if state_dir is not None else None
         self._known_gpus: dict[int, str] = {}
         self._last_read: dict[int, Gpu] = {}  # by NVML index, from the last inventory
@@ -172,7 +171,7 @@ class NvmlBackend:
         library = _preload_nvml(driver_root) if driver_root is not None else None
         self._policy = NvmlComputePolicy(driver_root or Path("/"), library, state_dir)
         try:
-            self._bounded("starting NVML", pynvml.nvmlInit)
+            self._nvml.run("starting NVML", pynvml.nvmlInit)
         except pynvml.NVMLError as e:
             if driver_root is not None and library is None:
                 where = (
@@ -191,7 +190,7 @@ class NvmlBackend:
         if read_only:
             return
         try:
-            self._bounded("reconciling MIG mode", self._reconcile_mig_mode)
+            self._nvml.run("reconciling MIG mode", self._reconcile_mig_mode)
         except DeviceError as e:  # the GPUs still work; their MIG mode waits for the next start
             log.warning("mig_mode_reconcile_failed", error=str(e))
 
@@ -206,17 +205,17 @@ class NvmlBackend:
             self._orphans |= set(orphans)
         if self._orphans and not self._read_only:
             try:
-                self._bounded("destroying orphaned GPU instances", self._destroy_orphans)
+                self._nvml.run("destroying orphaned GPU instances", self._destroy_orphans)
             except DeviceError as e:  # tried again at every inventory read
                 log.warning("orphaned_gpu_instances_not_destroyed", error=str(e))
 
     def inventory(self) -> Inventory:
-        return self._bounded("reading the GPU inventory", self._inventory)
+        return self._nvml.run("reading the GPU inventory", self._inventory)
 
     @property
     def call_timeout(self) -> float:
         """How long an NVML call may take before it counts as hung, in seconds."""
-        return self._call_timeout
+        return self._nvml.timeout
 
     def known_gpus(self) -> dict[int, str]:
         """The uuid of each GPU by NVML index, as the last inventory read them."""
@@ -229,7 +228,7 @@ class NvmlBackend:
 
     def create_mig_device(self, parent_uuid: str, profile_id: int, placement: Placement) -> MigDevice:
         self._check_writable("creating a MIG device")
-        return self._bounded(
+        return self._nvml.run(
             f"creating a MIG device on GPU {parent_uuid}",
             lambda: self._create_mig_device(parent_uuid, profile_id, placement),
             abandoned=self._destroy_abandoned,
@@ -247,20 +246,20 @@ class NvmlBackend:
 
     def destroy_mig_device(self, parent_uuid: str, mig_uuid: str) -> None:
         self._check_writable("destroying a MIG device")
-        self._bounded(
+        self._nvml.run(
             f"destroying MIG device {mig_uuid} on GPU {parent_uuid}",
             lambda: self._destroy_mig_device(parent_uuid, mig_uuid),
         )
 
     def compute_policy(self, gpu_uuid: str) -> ComputePolicy:
-        return self._bounded(
+        return self._nvml.run(
             f"reading the compute policy of GPU {gpu_uuid}",
             lambda: self._policy.read(self._handle(gpu_uuid), gpu_uuid),
         )
 
     def set_compute_policy(self, gpu_uuid: str, policy: ComputePolicy) -> None:
         self._check_writable("setting a compute policy")
-        self._bounded(
+        self._nvml.run(
             f"setting the compute policy of GPU {gpu_uuid}",
             lambda: self._policy.set(self._handle(gpu_uuid), gpu_uuid, policy),
         )
@@ -273,7 +272,7 @@ class NvmlBackend:
             return len({p.pid for p in (*compute, *graphics)})
 
         try:
-            return self._bounded(f"reading the processes on GPU {gpu_uuid}", count)
+            return self._nvml.run(f"reading the processes on GPU {gpu_uuid}", count)
         except pynvml.NVMLError as e:
             raise DeviceError(f"cannot read the processes on GPU {gpu_uuid}: {e}") from None
 
@@ -286,55 +285,9 @@ class NvmlBackend:
 
     def close(self) -> None:
         try:
-            self._bounded("shutting NVML down", pynvml.nvmlShutdown)
+            self._nvml.run("shutting NVML down", pynvml.nvmlShutdown)
         except (pynvml.NVMLError, DeviceError) as e:
             log.warning("nvml_shutdown_failed", error=str(e))
-
-    # --- bounded calls -----------------------------------------------------------------------------
-
-    def _bounded(self, action: str, call: Callable[[], T], abandoned: Callable[[T], None] | None = None) -> T:
-        """``call()`` in a worker thread, waited for at most ``call_timeout`` seconds.
-
-        NVML calls can block in the kernel driver (a GPU that stops answering). The worker is a
-        daemon thread, so one that never returns neither blocks this caller nor the process exit.
-        A call that returns after its caller gave up hands its result to ``abandoned`` (a MIG
-        device made for a claim that has already failed is destroyed again).
-        """
-        done: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
-        lock = threading.Lock()
-        gave_up = False
-
-        def run() -> None:
-            try:
-                value = call()
-            except BaseException as e:  # handed to the caller's thread
-                done.put((False, e))
-                return
-            with lock:
-                late = gave_up
-                if not late:
-                    done.put((True, value))
-            if late and abandoned is not None:
-                abandoned(value)
-
-        threading.Thread(target=run, name="nvml-call", daemon=True).start()
-        try:
-            ok, value = done.get(timeout=self._call_timeout)
-        except queue.Empty:
-            with lock:  # the result may have come in since; else the worker now knows it is too late
-                gave_up = True
-                arrived = None if done.empty() else done.get_nowait()
-            if arrived is None:
-                log.error("nvml_call_timed_out", action=action, timeout_seconds=self._call_timeout)
-                raise DeviceError(
-                    f"{action}: NVML did not answer within {self._call_timeout:g}s; the GPU or its driver "
-                    "is hung (check dmesg for Xid errors; a GPU reset or a node reboot clears it)"
-                ) from None
-            ok, value = arrived
-        if ok:
-            result: T = value
-            return result
-        raise value
 
     # --- reading -----------------------------------------------------------------------------------
 

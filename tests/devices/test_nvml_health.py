@@ -261,7 +261,7 @@ async def test_a_hanging_health_check_reports_every_gpu_unmonitored_until_nvml_a
     for faults in hung.values():
         (only,) = faults
         assert only.kind is FaultKind.UNMONITORED
-        assert "NVML did not answer checking which GPUs NVML reaches within 0.2s" in only.detail
+        assert "checking which GPUs NVML reaches: NVML did not answer within 0.2s" in only.detail
     assert any(e["event"] == "nvml_call_timed_out" for e in logs)
     assert await next_report(updates) == {}  # the call returned: watched again
     mock.control("xid 0 79")
