@@ -24,16 +24,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from dra_driver.devices.driver_root import parse_capabilities
 from dra_driver.devices.faults import APPLICATION_XIDS, GPU_LOST_XIDS
 from dra_driver.devices.sim_nodes import NODE_PROFILES
+from dra_driver.names import DNS_LABEL_RULE, DNS_SUBDOMAIN_RULE, is_dns_label, is_dns_subdomain, is_uid
 from dra_driver.resources.quantity import parse_quantity
 from dra_driver.resources.taints import TaintEffect
 
 ENV_PREFIX = "DRA_"
 DEFAULT_DRIVER_NAME = "gpu.dra-driver.dev"
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_NODE_NAME_MAX = 253  # a Node's name is a DNS subdomain (RFC 1123)
-# A pod UID (a UUID) becomes part of socket file names: no '/', no leading '.', nothing odd.
-_POD_UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _GPU_MINOR = re.compile(r"^[0-9]{1,3}$")
 _GPU_UUID = re.compile(r"^GPU-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$")  # as NVML prints them
 _PORT = re.compile(r"^[0-9]{1,5}$")
@@ -329,7 +325,7 @@ class Settings(BaseModel):
     @field_validator("driver_name")
     @classmethod
     def _driver_name_is_dns_subdomain(cls, value: str) -> str:
-        if len(value) > 63 or not _DNS_SUBDOMAIN.fullmatch(value):
+        if len(value) > 63 or not is_dns_subdomain(value):
             raise ValueError(
                 f"{value!r} is not a DNS subdomain of at most 63 characters (lower-case letters, "
                 "digits, '-' and '.'), e.g. gpu.example.com"
@@ -339,17 +335,18 @@ class Settings(BaseModel):
     @field_validator("node_name")
     @classmethod
     def _node_name_is_dns_subdomain(cls, value: str) -> str:
-        if value and (len(value) > _NODE_NAME_MAX or not _DNS_SUBDOMAIN.fullmatch(value)):
+        if value and not is_dns_subdomain(value):
             raise ValueError(
-                f"{value!r} is not a Kubernetes node name: a DNS subdomain of at most {_NODE_NAME_MAX} "
-                "characters (lower-case letters, digits, '-' and '.'), as `kubectl get nodes` shows it"
+                f"{value!r} is not a Kubernetes node name, {DNS_SUBDOMAIN_RULE}, "
+                "as `kubectl get nodes` shows it"
             )
         return value
 
     @field_validator("pod_uid")
     @classmethod
     def _pod_uid_is_a_file_name_part(cls, value: str) -> str:
-        if value and not _POD_UID.fullmatch(value):
+        # It becomes part of the socket file names: no '/', no '.', nothing odd.
+        if value and not is_uid(value):
             raise ValueError(
                 f"{value!r} is not a pod UID (the downward API's metadata.uid, e.g. "
                 "3f2b6c1e-8d4a-4e0b-9c1d-2a5e7f8b9c0d); it becomes part of the socket file names"
@@ -359,10 +356,8 @@ class Settings(BaseModel):
     @field_validator("pod_namespace")
     @classmethod
     def _namespace_is_dns_label(cls, value: str) -> str:
-        if value and not _DNS_LABEL.fullmatch(value):
-            raise ValueError(
-                f"{value!r} is not a namespace name (a DNS label: lower-case letters, digits, '-')"
-            )
+        if value and not is_dns_label(value):
+            raise ValueError(f"{value!r} is not a namespace name, {DNS_LABEL_RULE}")
         return value
 
     @field_validator("simulate")

@@ -25,7 +25,16 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dra_driver"
 # Lowest first. A module may import modules of its own layer and of the layers below it.
 # ``pkg.*`` is the package and everything under it; a plain name is that one module.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("dra_driver", "dra_driver.errors", "dra_driver.crashpoint", "dra_driver.bounded_json")),
+    (
+        "base",
+        (
+            "dra_driver",
+            "dra_driver.errors",
+            "dra_driver.names",
+            "dra_driver.crashpoint",
+            "dra_driver.bounded_json",
+        ),
+    ),
     ("devices", ("dra_driver.devices.*",)),  # hardware; knows no Kubernetes (see FORBIDDEN_EXTERNAL)
     ("kube", ("dra_driver.kube", "dra_driver.rest", "dra_driver.informer")),  # the API-server edge
     ("cdi", ("dra_driver.cdi.*",)),  # the runtime's view

@@ -54,6 +54,7 @@ from typing import Any
 from dra_driver.cdi.validate import ValidSpec, check_device_name, check_kind, with_minimum_version
 from dra_driver.devices.driver_root import DriverFiles, HostFile
 from dra_driver.devices.types import DeviceNode, Inventory
+from dra_driver.names import UID_RULE, is_dns_label, is_uid
 
 CLAIM_CLASS = "claim"
 # The nvidia-cdi-hook commands a spec runs (see _hooks), in their order. NVIDIA's toolkit has had
@@ -71,12 +72,6 @@ UUID_ENV_PREFIX = "DRA_GPU_UUID_"
 # Claim-level env: stop the NVIDIA container runtime from injecting GPUs itself.
 CLAIM_ENV = (("NVIDIA_VISIBLE_DEVICES", "void"),)
 
-# A claim UID becomes part of a CDI device name and of a file name, so it may use
-# only characters valid in both and must not be "." or "..". Kubernetes UIDs (RFC
-# 4122 UUIDs) always qualify.
-_CLAIM_UID = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_.-]*[A-Za-z0-9])?")
-# ResourceSlice device names are DNS labels (RFC 1123).
-_DNS_LABEL = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # The CUDA driver library; programs that link with -lcuda need the unversioned name.
 _LIBCUDA = re.compile(r"libcuda\.so\.\d[\d.]*")
@@ -188,11 +183,9 @@ def device_of_cdi_name(claim_uid: str, name: str) -> tuple[str, str | None] | No
 
 def check_claim_uid(claim_uid: str) -> None:
     """Raise ValueError unless ``claim_uid`` can name CDI devices and a spec file safely."""
-    if not _CLAIM_UID.fullmatch(claim_uid):
-        raise ValueError(
-            f"claim UID {claim_uid!r} cannot name a CDI spec: it must start and end with a letter or digit "
-            "and contain only letters, digits, '_', '.' and '-' (Kubernetes UIDs always do)"
-        )
+    # It becomes part of a CDI device name and of a file name: one rule for both, and for the node.
+    if not is_uid(claim_uid):
+        raise ValueError(f"claim UID {claim_uid!r} cannot name a CDI spec: it must be {UID_RULE}")
 
 
 def uuid_env_name(device: str) -> str:
@@ -243,11 +236,11 @@ def claim_spec(
 
 def _cdi_device_name(claim_uid: str, device: str, share_id: str | None = None) -> str:
     check_claim_uid(claim_uid)
-    if not _DNS_LABEL.fullmatch(device) or SHARE_SEPARATOR in device:
+    if not is_dns_label(device) or SHARE_SEPARATOR in device:
         raise ValueError(
             f"device name {device!r} is not a DNS label (lower-case letters, digits and '-', at most 63)"
         )
-    if share_id is not None and not _DNS_LABEL.fullmatch(share_id):
+    if share_id is not None and not is_dns_label(share_id):
         raise ValueError(f"share id {share_id!r} of device {device!r} is not a lower-case UUID")
     name = f"{claim_uid}-{device}" + (f"{SHARE_SEPARATOR}{share_id}" if share_id is not None else "")
     check_device_name(name, field=f"CDI name of device {device!r}")

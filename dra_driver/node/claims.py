@@ -9,24 +9,22 @@ only the results for our driver in our pool (one pool per node, named after the 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 from dra_driver.cdi.metadata import POD_CLAIM_NAME_ANNOTATION
+from dra_driver.names import (
+    DNS_LABEL_RULE,
+    DNS_SUBDOMAIN_RULE,
+    UID_RULE,
+    is_dns_label,
+    is_dns_subdomain,
+    is_uid,
+)
 from dra_driver.node.types import ClaimRef
 from dra_driver.resources.quantity import parse_quantity
-
-# Kubernetes name rules (apimachinery validation): a namespace is a DNS label, a
-# ResourceClaim name a DNS subdomain. Always fullmatch(): with match(), "$" also matches
-# before a trailing newline, and "ns\n" would pass.
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-# The API server generates UUIDs. We accept any plain token of letters, digits and '-' so
-# that it can never smuggle '/', '..' or NUL into the CDI file and device names built from it.
-_UID = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9]{0,62}[A-Za-z0-9])?")
 
 
 class ClaimRejected(Exception):
@@ -35,21 +33,12 @@ class ClaimRejected(Exception):
 
 def check_ref(ref: ClaimRef) -> None:
     """Reject an identity that is not a valid namespace, claim name and uid, before any I/O."""
-    if not ref.namespace or len(ref.namespace) > 63 or not _DNS_LABEL.fullmatch(ref.namespace):
-        raise ClaimRejected(
-            f"invalid claim namespace {ref.namespace!r}: must be a DNS label "
-            "(at most 63 lower-case letters, digits and '-')"
-        )
-    if not ref.name or len(ref.name) > 253 or not _DNS_SUBDOMAIN.fullmatch(ref.name):
-        raise ClaimRejected(
-            f"invalid claim name {ref.name!r}: must be a DNS subdomain "
-            "(at most 253 lower-case letters, digits, '-' and '.')"
-        )
-    if not _UID.fullmatch(ref.uid):
-        raise ClaimRejected(
-            f"invalid claim uid {ref.uid!r}: must be a plain token of letters, digits and '-' "
-            "(a Kubernetes object UID)"
-        )
+    if not is_dns_label(ref.namespace):
+        raise ClaimRejected(f"invalid claim namespace {ref.namespace!r}: must be {DNS_LABEL_RULE}")
+    if not is_dns_subdomain(ref.name):
+        raise ClaimRejected(f"invalid claim name {ref.name!r}: must be {DNS_SUBDOMAIN_RULE}")
+    if not is_uid(ref.uid):
+        raise ClaimRejected(f"invalid claim uid {ref.uid!r}: must be {UID_RULE}")
 
 
 class ConfigSource(Enum):
@@ -149,7 +138,7 @@ def _result(entry: Mapping[str, Any], pool: str) -> AllocationResult:
     if not isinstance(request, str) or not request or not isinstance(device, str) or not device:
         raise ClaimRejected(f"malformed allocation result {dict(entry)!r}: request and device are required")
     share_id = entry.get("shareID")
-    if share_id is not None and not (isinstance(share_id, str) and _SHARE_ID.fullmatch(share_id)):
+    if share_id is not None and not (isinstance(share_id, str) and is_dns_label(share_id)):
         raise ClaimRejected(
             f"allocation result for device {device} has shareID {share_id!r}, which is not a share id "
             "the scheduler writes (a lower-case UUID)"
@@ -168,10 +157,6 @@ def _result(entry: Mapping[str, Any], pool: str) -> AllocationResult:
             for name, value in sorted(consumed.items())
         ),
     )
-
-
-# Share ids are UIDs the scheduler generates; they become part of CDI device names.
-_SHARE_ID = re.compile(r"[a-z0-9]([-a-z0-9]{0,62}[a-z0-9])?")
 
 
 def _whole_quantity(value: object, what: str) -> int:

@@ -71,7 +71,6 @@ changed, and applied and undone by :mod:`dra_driver.node.sharing.applier`
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -98,6 +97,7 @@ from dra_driver.cdi.spec import (
 from dra_driver.cdi.validate import ValidSpec
 from dra_driver.devices.pci import PassthroughGpu
 from dra_driver.devices.types import DeviceNode, Gpu, Inventory, MigDevice, MigProfile, Placement
+from dra_driver.names import is_dns_label
 from dra_driver.node.api_base import quantity_bytes
 from dra_driver.node.claims import (
     AllocatedClaim,
@@ -143,8 +143,6 @@ MIG_CREATED_ENV_PREFIX = "DRA_GPU_MIG_CREATED_"
 PASSTHROUGH_ENV_PREFIX = "DRA_GPU_PASSTHROUGH_"
 VFIO_CONTAINER = DeviceNode("/dev/vfio/vfio", 10, 196)  # a misc device: its numbers are fixed
 IOMMU_DEVICE = DeviceNode("/dev/iommu", None, None)  # a misc device with a dynamic minor
-# Request names and a pod's names for its claims are DNS labels; each becomes a path segment.
-_DNS_LABEL = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")
 
 
 @dataclass(frozen=True)
@@ -451,7 +449,7 @@ def _check_metadata_names(claim: AllocatedClaim) -> None:
     names = {r.request: base_request(r.request) for r in claim.results}
     if claim.pod_claim_name is not None:
         names[claim.pod_claim_name] = claim.pod_claim_name
-    if bad := sorted(name for name, segment in names.items() if not _DNS_LABEL.fullmatch(segment)):
+    if bad := sorted(name for name, segment in names.items() if not is_dns_label(segment)):
         raise ClaimRejected(
             f"claim {claim.ref}: {', '.join(map(repr, bad))} cannot name a device metadata file: request "
             "names and the pod's claim names are DNS labels; was the claim edited by hand?"

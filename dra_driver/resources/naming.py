@@ -11,14 +11,9 @@ from __future__ import annotations
 
 import re
 
-DNS_LABEL_MAX_LENGTH = 63
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+from dra_driver.names import DNS_LABEL_MAX_LENGTH, is_dns_label
+
 _NOT_IN_LABEL = re.compile(r"[^a-z0-9-]")
-
-
-def is_dns_label(name: str) -> bool:
-    """Whether ``name`` is an RFC 1123 label, what the API requires of device and counter names."""
-    return len(name) <= DNS_LABEL_MAX_LENGTH and _DNS_LABEL.fullmatch(name) is not None
 
 
 def require_dns_label(name: str, what: str) -> str:

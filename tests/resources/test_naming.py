@@ -4,10 +4,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dra_driver.names import is_dns_label
 from dra_driver.resources.naming import (
     counter_set_name,
     gpu_device_name,
-    is_dns_label,
     memory_slice_counter,
     mig_device_name,
     mig_profile_label,

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dra_driver.devices.types import Inventory
+from dra_driver.names import is_dns_label
 from dra_driver.resources.devices import (
     GpuDevices,
     PartitionPolicy,
@@ -14,7 +15,6 @@ from dra_driver.resources.devices import (
     partition_none,
     partition_selected,
 )
-from dra_driver.resources.naming import is_dns_label
 from dra_driver.resources.slices import slice_specs, split_pool
 from dra_driver.resources.wire import Device, DeviceTaint, ResourceSliceSpec
 
