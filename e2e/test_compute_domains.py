@@ -207,6 +207,26 @@ def rack(
             rest.delete(path)
 
 
+def _channel_template(rest: RestClient, namespace: str, name: str) -> dict[str, Any]:
+    """The ResourceClaimTemplate ``name`` once the controller has made it for its domain."""
+    return rest.wait_for(
+        f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates", name, lambda _: True
+    )
+
+
+def domain_with_template(rest: RestClient, namespace: str, name: str) -> dict[str, Any]:
+    """A one-node ComputeDomain ``name`` whose channel template is ``<name>-channel``, created and its
+    template waited for (the controller's first answer); returns the template."""
+    domain = {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "ComputeDomain",
+        "metadata": {"name": name},
+        "spec": {"numNodes": 1, "channel": {"resourceClaimTemplate": {"name": f"{name}-channel"}}},
+    }
+    rest.create(domains_path(namespace), domain)
+    return _channel_template(rest, namespace, f"{name}-channel")
+
+
 def _pods(rest: RestClient, namespace: str, selector: str) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = rest.request(
         "GET", f"/api/v1/namespaces/{namespace}/pods", query={"labelSelector": selector}
@@ -249,11 +269,7 @@ def test_a_two_node_domain_runs_its_job_on_one_clique_and_cleans_up(rack: Rack, 
     name = domain["metadata"]["name"]
     template_name = domain["spec"]["channel"]["resourceClaimTemplate"]["name"]
     rest.create(domains_path(namespace), domain)
-    template = rest.wait_for(
-        f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates",
-        template_name,
-        lambda _: True,
-    )
+    template = _channel_template(rest, namespace, template_name)
     selector = template["spec"]["spec"]["devices"]["requests"][0]["exactly"]["selectors"][0]["cel"][
         "expression"
     ]
@@ -435,11 +451,7 @@ def test_two_domains_created_together_get_a_clique_each_and_both_run(rack: Rack,
         rest.create(domains_path(namespace), _channel_domain(name, mode))
     pinned = {}
     for name in names:
-        template = rest.wait_for(
-            f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates",
-            f"{name}-channel",
-            lambda _: True,
-        )
+        template = _channel_template(rest, namespace, f"{name}-channel")
         pinned[name] = template["metadata"]["annotations"]["resource.nvidia.com/clique"]
     assert sorted(pinned.values()) == sorted({rack.clique_of(n) for n in CLIQUES})
 
@@ -600,18 +612,7 @@ def test_a_failing_imex_daemon_keeps_the_domain_not_ready_and_says_why(
         squatter.listen()
         squatters.append(squatter)
     try:
-        domain = {
-            "apiVersion": "resource.nvidia.com/v1beta1",
-            "kind": "ComputeDomain",
-            "metadata": {"name": "failing"},
-            "spec": {"numNodes": 1, "channel": {"resourceClaimTemplate": {"name": "failing-channel"}}},
-        }
-        rest.create(domains_path(namespace), domain)
-        rest.wait_for(
-            f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates",
-            "failing-channel",
-            lambda _: True,
-        )
+        domain_with_template(rest, namespace, "failing")
         pod = {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -701,18 +702,7 @@ def test_of_two_controllers_one_leads_and_a_killed_leader_hands_over(rack: Rack,
     assert after["leaseTransitions"] == before["leaseTransitions"] + 1
 
     # The new leader acts on a new domain.
-    domain = {
-        "apiVersion": "resource.nvidia.com/v1beta1",
-        "kind": "ComputeDomain",
-        "metadata": {"name": "after-handover"},
-        "spec": {"numNodes": 1, "channel": {"resourceClaimTemplate": {"name": "after-handover-channel"}}},
-    }
-    rest.create(domains_path(namespace), domain)
-    rest.wait_for(
-        f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates",
-        "after-handover-channel",
-        lambda _: True,
-    )
+    domain_with_template(rest, namespace, "after-handover")
     wait(lambda: "ComputeDomain set up" in standby.log(), timeout=30, what="the new leader's log line")
 
     # The old leader comes back as the standby: the Lease is held, so it waits.
