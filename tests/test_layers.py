@@ -256,6 +256,12 @@ def stand_in_uses(
 # --- the project ----------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def project() -> list[Import]:
+    """The project's imports, read once for the tests below."""
+    return imports(PACKAGE)
+
+
 def test_every_module_is_placed_in_a_layer() -> None:
     unplaced = []
     for module in modules(PACKAGE):
@@ -266,15 +272,15 @@ def test_every_module_is_placed_in_a_layer() -> None:
     assert unplaced == []
 
 
-def test_imports_point_down_the_layers() -> None:
-    assert upward(imports(PACKAGE), LAYERS) == []
+def test_imports_point_down_the_layers(project: list[Import]) -> None:
+    assert upward(project, LAYERS) == []
 
 
-def test_kubelet_layer_only_translates() -> None:
+def test_kubelet_layer_only_translates(project: list[Import]) -> None:
     """Outside its own layer, kubelet/ uses only the domain types it translates to and from."""
     wrong = [
         str(imp)
-        for imp in imports(PACKAGE)
+        for imp in project
         if layer_of(imp.importer, LAYERS)[1] == "kubelet"
         and layer_of(imp.imported, LAYERS)[1] not in ("kubelet", "base")
         and imp.imported not in KUBELET_MAY_USE
@@ -292,22 +298,22 @@ def test_layers_import_none_of_the_packages_they_must_not_know() -> None:
     assert wrong == []
 
 
-def test_no_two_modules_import_each_other() -> None:
-    found = [frozenset(group) for group in cycles(imports(PACKAGE))]
+def test_no_two_modules_import_each_other(project: list[Import]) -> None:
+    found = [frozenset(group) for group in cycles(project)]
     assert [sorted(group) for group in found if group not in KNOWN_CYCLES] == []
     assert [sorted(group) for group in KNOWN_CYCLES if group not in found] == [], (
         "stale: drop it from KNOWN_CYCLES"
     )
 
 
-def test_real_code_reaches_the_stand_ins_only_through_the_listed_switches() -> None:
-    assert stand_in_uses(imports(PACKAGE), STAND_INS, STAND_IN_USERS) == []
+def test_real_code_reaches_the_stand_ins_only_through_the_listed_switches(project: list[Import]) -> None:
+    assert stand_in_uses(project, STAND_INS, STAND_IN_USERS) == []
 
 
-def test_every_listed_stand_in_and_switch_exists() -> None:
+def test_every_listed_stand_in_and_switch_exists(project: list[Import]) -> None:
     """A stale entry would let a new import through under an old name's cover."""
     known = modules(PACKAGE)
-    edges = {(imp.importer, imp.imported) for imp in imports(PACKAGE)}
+    edges = {(imp.importer, imp.imported) for imp in project}
     assert [name for name in STAND_INS if name not in known] == []
     assert [pair for pair in STAND_IN_USERS if pair not in edges] == []
 
