@@ -70,6 +70,7 @@ from dra_driver.computedomain.api import (
 from dra_driver.devices.types import DeviceNode
 from dra_driver.node.claim_fetcher import ClaimFetcher
 from dra_driver.node.claims import ClaimRejected, allocated_claim, check_ref
+from dra_driver.node.records import Phase
 from dra_driver.node.store import DomainClaim, MutationRejected, Store
 from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice, PrepareOutcome
 from dra_driver.resources.slices import SliceContent
@@ -219,10 +220,14 @@ class ComputeDomainPreparer:
                 if kind not in (CHANNEL_TYPE, DAEMON_TYPE):
                     raise ValueError(f"unknown kind {kind!r}")
             except (OSError, ValueError, TypeError, KeyError) as error:
-                log.warning("skipping an unreadable compute-domain claim record", file=str(path), error=str(error))
+                log.warning(
+                    "skipping an unreadable compute-domain claim record", file=str(path), error=str(error)
+                )
                 continue
             # A claim with its spec was prepared; one without was waiting for its daemon.
-            phase = "PrepareCompleted" if self._specs.path_for(path.stem).exists() else "PrepareStarted"
+            phase: Phase = (
+                "PrepareCompleted" if self._specs.path_for(path.stem).exists() else "PrepareStarted"
+            )
             device = CHANNEL_DEVICE if kind == CHANNEL_TYPE else DAEMON_DEVICE
             found.append(DomainClaim(path.stem, "", "", kind, device, domain_uid, phase=phase))
         return found

@@ -428,7 +428,9 @@ class Store:
                     try:
                         _put_domain_claim(db, claim)
                     except MutationRejected as conflict:
-                        log.error("a compute-domain claim of the earlier version conflicts", error=str(conflict))
+                        log.error(
+                            "a compute-domain claim of the earlier version conflicts", error=str(conflict)
+                        )
             db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (DOMAIN_BOOT_KEY, boot_id))
         return earlier
 

@@ -20,8 +20,8 @@ from dra_driver.computedomain.api import (
     parse_compute_domain,
 )
 from dra_driver.computedomain.node import ComputeDomainPreparer, compute_domain_slices
-from dra_driver.node.types import ClaimError
 from dra_driver.node.store import STORE_FILE, open_store
+from dra_driver.node.types import ClaimError
 from tests.node.builders import InMemoryClaims, claim_json, new_ref, opaque, result
 
 NAMES = Names("gpu.nvidia.com")
