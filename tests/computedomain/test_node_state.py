@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -269,3 +271,35 @@ def test_a_store_of_schema_4_is_upgraded_in_place_and_its_boot_kept_for_the_comp
 
     assert specs(tmp_path) == set(), "the spec of the earlier boot stayed"
     assert rows(tmp_path) == {}
+
+
+def test_dra_driver_state_shows_the_channel_and_daemon_claims(tmp_path: Path) -> None:
+    cd = ready(domain())
+    claims = InMemoryClaims()
+    node = preparer(tmp_path, FakeDomains(cd), claims)
+    channel, daemon = channel_claim(claims, cd, ChannelAllocationMode.ALL), daemon_claim(claims, cd)
+    asyncio.run(node.prepare([channel, daemon]))
+
+    def state(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "dra_driver", "state", "--data-dir", str(tmp_path), *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return done.stdout
+
+    table, document = state().splitlines(), json.loads(state("-o", "json"))
+
+    assert any(
+        line.startswith(f"default/{channel.name} ")
+        and "PrepareCompleted" in line
+        and "channel-0 (allocationMode All)" in line
+        and line.endswith(cd.metadata.uid)
+        for line in table
+    ), table
+    assert {c["uid"]: (c["kind"], c["device"]) for c in document["computeDomainClaims"]} == {
+        channel.uid: ("channel", "channel-0"),
+        daemon.uid: ("daemon", "daemon-0"),
+    }
