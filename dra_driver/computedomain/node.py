@@ -284,6 +284,11 @@ class ComputeDomainPreparer:
             )
         result = allocated.results[0]
         config = self._config_of(ref, result.device, [c.parameters for c in allocated.configs])
+        if self._prepared_before(ref, result.device, config.domain_id):
+            # The kubelet's repeat (it restarted, or lost our answer): what was done stands, and
+            # the record is not written again (a crash then would leave it half-done).
+            cdi = cdi_device_id(self._names.driver, ref.uid, result.device)
+            return (PreparedDevice((result.parent_request,), self._node, result.device, (cdi,)),)
         domain = await self._domains.by_uid(config.domain_id)
         if domain is None:
             raise ClaimRejected(
@@ -317,6 +322,15 @@ class ComputeDomainPreparer:
                 device=result.device,
                 cdi_device_ids=(cdi,),
             ),
+        )
+
+    def _prepared_before(self, ref: ClaimRef, device: str, domain_uid: str) -> bool:
+        record = self._store.domain_claim(ref.uid)
+        return (
+            record is not None
+            and record.phase == "PrepareCompleted"
+            and (record.device, record.domain_uid) == (device, domain_uid)
+            and self._specs.path_for(ref.uid).exists()
         )
 
     def _config_of(self, ref: ClaimRef, device: str, parameters: list[Any]) -> ChannelConfig | DaemonConfig:
