@@ -303,3 +303,21 @@ def test_dra_driver_state_shows_the_channel_and_daemon_claims(tmp_path: Path) ->
         channel.uid: ("channel", "channel-0"),
         daemon.uid: ("daemon", "daemon-0"),
     }
+
+
+def test_the_kubelets_repeat_of_a_prepared_channel_answers_from_the_store(tmp_path: Path) -> None:
+    """Found by the model: a repeat that wrote the record again and died left a prepared claim half-done."""
+    cd = ready(domain())
+    domains, claims = FakeDomains(cd), InMemoryClaims()
+    node = preparer(tmp_path, domains, claims)
+    channel = channel_claim(claims, cd)
+    (first,) = asyncio.run(node.prepare([channel]))[channel.uid]  # type: ignore[misc]
+
+    async def unreachable(uid: str) -> str | None:
+        raise OSError("the API server is unreachable")
+
+    domains.label_node = unreachable  # type: ignore[method-assign]
+    (again,) = asyncio.run(node.prepare([channel]))[channel.uid]  # type: ignore[misc]
+
+    assert again == first
+    assert rows(tmp_path)[channel.uid].phase == "PrepareCompleted"
