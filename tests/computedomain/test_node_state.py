@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 
 from dra_driver.cdi.store import SpecStore
-from dra_driver.computedomain.api import ChannelAllocationMode, ComputeDomain, channel_config, daemon_config
+from dra_driver.computedomain.api import (
+    ChannelAllocationMode,
+    ComputeDomain,
+    channel_config,
+    daemon_config,
+    parse_compute_domain,
+)
 from dra_driver.node.store import STORE_FILE, DomainClaim, open_store
 from dra_driver.node.types import ClaimError, ClaimRef
 from tests.computedomain.test_node import (
@@ -22,7 +28,6 @@ from tests.computedomain.test_node import (
     NODE,
     FakeDomains,
     domain,
-    parse_compute_domain,
     preparer,
 )
 from tests.node.builders import InMemoryClaims, claim_json, new_ref, opaque, result

@@ -84,7 +84,12 @@ from hypothesis.stateful import (
 
 from dra_driver import crashpoint
 from dra_driver.cdi.store import SpecStore
-from dra_driver.computedomain.api import ChannelAllocationMode, channel_config, daemon_config
+from dra_driver.computedomain.api import (
+    ChannelAllocationMode,
+    channel_config,
+    daemon_config,
+    parse_compute_domain,
+)
 from dra_driver.computedomain.node import ComputeDomainPreparer
 from dra_driver.devices.types import ComputePolicy
 from dra_driver.node.preparer import NodePreparer
@@ -93,7 +98,7 @@ from dra_driver.node.sharing.mps_local import LocalMpsDaemons
 from dra_driver.node.store import Store, open_store
 from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice
 from dra_driver.resources.naming import mig_device_name
-from tests.computedomain.test_node import CLIQUE, NAMES, FakeDomains, domain, parse_compute_domain
+from tests.computedomain.test_node import CLIQUE, NAMES, FakeDomains, domain
 
 from .builders import NODE, Node, claim_json, gpu_config, make_node, new_ref, opaque, result
 
