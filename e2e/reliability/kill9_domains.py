@@ -109,7 +109,16 @@ def install_crds(rest: RestClient) -> None:
     helm = Path(build_outputs("helm")["HELM_BIN_DIR"]) / "helm"
     chart = str(REPO_ROOT / "charts" / "dra-driver-gpu")
     rendered = subprocess.run(
-        [str(helm), "template", "rel", chart, "--set", f"driverName={DRIVER}"],
+        [
+            str(helm),
+            "template",
+            "rel",
+            chart,
+            "--namespace",
+            "dra-driver-gpu",
+            "--set",
+            f"driverName={DRIVER}",
+        ],
         check=True,
         capture_output=True,
         text=True,
