@@ -268,8 +268,9 @@ async def _one_run(
     _check_released(rest, node, plugin, figures, label)
     if killed:
         figures.kills += 1
+        operation = external[0] if external else ""
         figures.killed_at[
-            crash_point.partition("@")[0] if crash_point else f"random moment of {external}"
+            crash_point.partition("@")[0] if crash_point else f"random moment of {operation}"
         ] += 1
 
 
