@@ -205,8 +205,11 @@ class ComputeDomainPreparer:
         if self._legacy_records.exists():
             self._legacy_records.replace(self._legacy_records.with_name("claims.imported"))
             log.info("imported the compute-domain claims of the earlier version", claims=len(imported))
+        # The directories first: the other instance of a rolling update records a daemon claim
+        # before it writes its directory, so one found here has its row by the time they are read.
+        directories = list(self._configs.glob("*")) if self._configs.is_dir() else []
         named = {c.domain_uid for c in self._store.domain_claims() if c.kind == DAEMON_TYPE}
-        for directory in self._configs.glob("*") if self._configs.is_dir() else ():
+        for directory in directories:
             if directory.name not in named:
                 shutil.rmtree(directory, ignore_errors=True)
 
