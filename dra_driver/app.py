@@ -514,6 +514,8 @@ def compute_domain_plugin(
         api=api,
         inventory=inventory,
         state_dir=settings.state_dir / "compute-domains",
+        store_path=settings.state_dir / STORE_FILE,
+        boot_id_path=settings.boot_id_file,
         cdi_dir=settings.cdi_dir,
         plugins_dir=settings.plugins_dir,
         registry_dir=settings.registry_dir,

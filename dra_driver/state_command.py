@@ -4,9 +4,10 @@ It opens ``state.db`` in the plugin's data directory read-only, so it works besi
 plugin (the store's write-ahead log lets a reader see the last committed state without
 waiting for, or blocking, a writer) and on a stopped one. It prints the prepared claims and
 their devices, the MIG devices the driver created, the MPS control daemons the claims use,
-the GPU compute modes and time slices that their unprepare puts back, and the GPU instances a
-failed rollback left (each a table of the store, read in one query): as tables, or as
-one JSON document with ``-o json`` (for scripts and bug reports).
+the GPU compute modes and time slices that their unprepare puts back, the GPU instances a
+failed rollback left, and the compute-domain driver's channel and daemon claims (each a table
+of the store, read in one query): as tables, or as one JSON document with ``-o json`` (for
+scripts and bug reports).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def read(data_dir: Path) -> dict[str, Any]:
         store = open_read_only(path)
         try:
             state, migs, orphans = store.snapshot(), store.mig_devices(), store.orphans()
+            domain_claims = store.domain_claims()
         finally:
             store.close()
     except sqlite3.Error as error:
@@ -57,6 +59,19 @@ def read(data_dir: Path) -> dict[str, Any]:
         "orphanedGpuInstances": [
             {"gpuUuid": gpu, "profileId": profile, "placementStart": start, "placementSize": size}
             for gpu, profile, start, size in orphans
+        ],
+        "computeDomainClaims": [
+            {
+                "uid": c.uid,
+                "namespace": c.namespace,
+                "name": c.name,
+                "phase": c.phase,
+                "kind": c.kind,
+                "device": c.device,
+                "computeDomainUid": c.domain_uid,
+                "allocationMode": c.allocation_mode,
+            }
+            for c in domain_claims
         ],
     }
 
@@ -120,6 +135,22 @@ def render(document: dict[str, Any], output: str) -> str:
                 for o in document["orphanedGpuInstances"]
             ],
             "no GPU instances left by a failed rollback",
+        )
+    )
+    parts.append(
+        _table(
+            ("COMPUTE-DOMAIN CLAIM", "UID", "PHASE", "DEVICE", "COMPUTE DOMAIN"),
+            [
+                (
+                    f"{c['namespace']}/{c['name']}" if c["namespace"] else "(recovered from its CDI spec)",
+                    c["uid"],
+                    c["phase"],
+                    c["device"] + (f" (allocationMode {c['allocationMode']})" if c["allocationMode"] else ""),
+                    c["computeDomainUid"] or "(unknown: recovered)",
+                )
+                for c in document["computeDomainClaims"]
+            ],
+            "no compute-domain claims",
         )
     )
     return "\n\n".join(parts)

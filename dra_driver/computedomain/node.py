@@ -17,8 +17,26 @@ For a **daemon** claim: write the daemon's configuration directory (``imexd.cfg`
 daemon with DNS names replaces by its fixed names when it starts) and mount it into the daemon's
 container at ``/imexd``, with the domain's identity as environment variables.
 
-Each prepared claim leaves a small record (its kind and domain) so unprepare -- after a restart too --
-knows to remove the node label again.
+Each claim is a row of the node's store (``domain_claims``, :mod:`dra_driver.node.store`), written
+*before* the node is labelled or the daemon's files are written, so that unprepare -- after a crash
+or a restart too -- knows to remove the label or the directory again. The row holds the claim's
+device: a unique index refuses a second claim of the node's one channel (or daemon) device while
+the first is recorded, waiting for its daemon included, as NVIDIA's driver refuses a second claim of
+channel 0 whatever its allocationMode. Each step is one short transaction, never across an API
+call: record the claim, label the node, write the spec, mark the record prepared; on unprepare,
+remove the label (or directory) and the spec, then the row.
+
+**At start** (:meth:`ComputeDomainPreparer.start`): the files of earlier versions (one JSON file per
+claim under ``claims/``) are imported into the store once and moved aside (``claims.imported``);
+after a reboot the claims' specs and configuration directories are removed (nothing prepared
+survives one); otherwise a CDI spec of this driver with no row is a claim the store lost (deleted,
+corrupt), rebuilt from the spec as the GPUs' are (:mod:`dra_driver.node.recovery`): its device from
+the spec's device name, a daemon's domain from its ``COMPUTE_DOMAIN_UUID``. A channel's spec does not
+name its domain; none is needed, because the node's label can only be that claim's (one channel
+device), so its unprepare removes the label whichever domain it names. A channel claim still
+*waiting* for its daemon has no spec yet and is lost with the store: an unprepare of a claim with no
+row removes a label no recorded channel claim explains. A daemon directory no row names is left from
+such a prepare, and removed.
 """
 
 from __future__ import annotations
@@ -26,10 +44,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -52,6 +70,8 @@ from dra_driver.computedomain.api import (
 from dra_driver.devices.types import DeviceNode
 from dra_driver.node.claim_fetcher import ClaimFetcher
 from dra_driver.node.claims import ClaimRejected, allocated_claim, check_ref
+from dra_driver.node.records import Phase
+from dra_driver.node.store import DomainClaim, MutationRejected, Store
 from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice, PrepareOutcome
 from dra_driver.resources.slices import SliceContent
 from dra_driver.resources.wire import Device
@@ -122,13 +142,9 @@ class Domains(Protocol):
         """Label this node with the domain; returns the other domain's UID if it holds the label."""
         ...
 
-    async def unlabel_node(self, uid: str) -> None: ...
-
-
-@dataclass(frozen=True)
-class _Record:
-    kind: str  # "channel" or "daemon"
-    domain_uid: str
+    async def unlabel_node(self, uid: str | None) -> None:
+        """Remove this node's label if it names ``uid`` (None: whichever domain it names)."""
+        ...
 
 
 class ComputeDomainPreparer:
@@ -143,6 +159,7 @@ class ComputeDomainPreparer:
         claims: ClaimFetcher,
         domains: Domains,
         specs: SpecStore,
+        store: Store,
         state_dir: Path,
         channel_major: int,
         server_port: int = IMEX_SERVER_PORT,
@@ -153,7 +170,8 @@ class ComputeDomainPreparer:
         self._claims = claims
         self._domains = domains
         self._specs = specs
-        self._records = state_dir / "claims"
+        self._store = store
+        self._legacy_records = state_dir / "claims"  # one JSON file per claim, before the store
         self._configs = state_dir / "domains"
         self._channel_major = channel_major
         self._server_port = server_port
@@ -168,7 +186,81 @@ class ComputeDomainPreparer:
         return {ref.uid: outcome for ref, outcome in zip(claims, results, strict=True)}
 
     def prepared_claim_uids(self) -> set[str]:
-        return {path.stem for path in self._records.glob("*.json")} if self._records.exists() else set()
+        """The claims the store records, those still waiting for their daemon included."""
+        return {claim.uid for claim in self._store.domain_claims()}
+
+    # --- start ---------------------------------------------------------------------------------------
+
+    def start(self, boot_id: str) -> None:
+        """Bring the store up to date with the node (see the module doc); blocking, before serving."""
+        self._specs.remove_leftover_temps()
+        imported = self._read_legacy_records()
+        if self._store.start_domain_claims(boot_id, imported):
+            for uid in self._specs.claim_uids():
+                self._specs.remove(uid)
+            shutil.rmtree(self._configs, ignore_errors=True)
+            log.info("cleared the compute-domain claims of an earlier boot")
+        else:
+            self._recover_from_specs()
+        if self._legacy_records.exists():
+            self._legacy_records.replace(self._legacy_records.with_name("claims.imported"))
+            log.info("imported the compute-domain claims of the earlier version", claims=len(imported))
+        # The directories first: the other instance of a rolling update records a daemon claim
+        # before it writes its directory, so one found here has its row by the time they are read.
+        directories = list(self._configs.glob("*")) if self._configs.is_dir() else []
+        named = {c.domain_uid for c in self._store.domain_claims() if c.kind == DAEMON_TYPE}
+        for directory in directories:
+            if directory.name not in named:
+                shutil.rmtree(directory, ignore_errors=True)
+
+    def _read_legacy_records(self) -> list[DomainClaim]:
+        """The earlier version's ``claims/<uid>.json`` files (``{"kind", "domainUID"}``)."""
+        found = []
+        for path in sorted(self._legacy_records.glob("*.json")) if self._legacy_records.is_dir() else ():
+            try:
+                data = json.loads(path.read_text())
+                kind, domain_uid = str(data["kind"]), str(data["domainUID"])
+                if kind not in (CHANNEL_TYPE, DAEMON_TYPE):
+                    raise ValueError(f"unknown kind {kind!r}")
+            except (OSError, ValueError, TypeError, KeyError) as error:
+                log.warning(
+                    "skipping an unreadable compute-domain claim record", file=str(path), error=str(error)
+                )
+                continue
+            # A claim with its spec was prepared; one without was waiting for its daemon.
+            phase: Phase = (
+                "PrepareCompleted" if self._specs.path_for(path.stem).exists() else "PrepareStarted"
+            )
+            device = CHANNEL_DEVICE if kind == CHANNEL_TYPE else DAEMON_DEVICE
+            found.append(DomainClaim(path.stem, "", "", kind, device, domain_uid, phase=phase))
+        return found
+
+    def _recover_from_specs(self) -> None:
+        """Rebuild the row of each spec of ours the store lacks, oldest uid first, through the checks."""
+        recorded = {claim.uid for claim in self._store.domain_claims()}
+        for uid in sorted(self._specs.claim_uids() - recorded):
+            if self._specs.held_by_a_writer(uid):
+                continue  # the other instance of a rolling update is preparing it
+            try:
+                claim = _claim_of_spec(uid, self._specs.read(uid))
+            except ValueError as error:
+                log.warning("removing an unreadable compute-domain spec", claim_uid=uid, error=str(error))
+                self._specs.remove(uid)
+                continue
+            if claim is None:
+                continue
+            try:
+                self._store.reserve_domain_claim(claim)
+            except MutationRejected as conflict:
+                log.error(
+                    "a compute-domain claim rebuilt from its CDI spec conflicts",
+                    claim_uid=uid,
+                    holder=conflict.holder,
+                    error=str(conflict),
+                    what_to_do="delete the pod of one of the two claims; its unprepare removes its spec",
+                )
+                continue
+            log.info("rebuilt a compute-domain claim from its CDI spec", claim_uid=uid, device=claim.device)
 
     # --- one claim -----------------------------------------------------------------------------------
 
@@ -195,19 +287,37 @@ class ComputeDomainPreparer:
             )
         result = allocated.results[0]
         config = self._config_of(ref, result.device, [c.parameters for c in allocated.configs])
+        if self._prepared_before(ref, result.device, config.domain_id):
+            # The kubelet's repeat (it restarted, or lost our answer): what was done stands, and
+            # the record is not written again (a crash then would leave it half-done).
+            cdi = cdi_device_id(self._names.driver, ref.uid, result.device)
+            return (PreparedDevice((result.parent_request,), self._node, result.device, (cdi,)),)
         domain = await self._domains.by_uid(config.domain_id)
         if domain is None:
             raise ClaimRejected(
                 f"claim {ref} belongs to ComputeDomain {config.domain_id}, which does not exist (any more)"
             )
+        kind = CHANNEL_TYPE if isinstance(config, ChannelConfig) else DAEMON_TYPE
+        if result.device != (CHANNEL_DEVICE if kind == CHANNEL_TYPE else DAEMON_DEVICE):
+            raise ClaimRejected(f"claim {ref}: a {kind} config for device {result.device}")
+        record = DomainClaim(
+            ref.uid,
+            ref.namespace,
+            ref.name,
+            kind,
+            result.device,
+            domain.metadata.uid,
+            config.allocation_mode.value if isinstance(config, ChannelConfig) else None,
+            attempt=secrets.token_hex(8),
+        )
         if isinstance(config, ChannelConfig):
-            if result.device != CHANNEL_DEVICE:
-                raise ClaimRejected(f"claim {ref}: a channel config for device {result.device}")
-            cdi = await self._prepare_channel(ref, domain, config)
+            cdi = await self._prepare_channel(ref, domain, config, record)
         else:
-            if result.device != DAEMON_DEVICE:
-                raise ClaimRejected(f"claim {ref}: a daemon config for device {result.device}")
-            cdi = await self._prepare_daemon(ref, domain)
+            cdi = await self._prepare_daemon(ref, domain, record)
+        try:
+            self._store.complete_domain_claim(ref.uid, record.attempt)
+        except MutationRejected as taken:
+            raise ClaimRejected(str(taken)) from None
         return (
             PreparedDevice(
                 requests=(result.parent_request,),
@@ -215,6 +325,15 @@ class ComputeDomainPreparer:
                 device=result.device,
                 cdi_device_ids=(cdi,),
             ),
+        )
+
+    def _prepared_before(self, ref: ClaimRef, device: str, domain_uid: str) -> bool:
+        record = self._store.domain_claim(ref.uid)
+        return (
+            record is not None
+            and record.phase == "PrepareCompleted"
+            and (record.device, record.domain_uid) == (device, domain_uid)
+            and self._specs.path_for(ref.uid).exists()
         )
 
     def _config_of(self, ref: ClaimRef, device: str, parameters: list[Any]) -> ChannelConfig | DaemonConfig:
@@ -227,7 +346,15 @@ class ComputeDomainPreparer:
             )
         return parse_config(parameters[-1], self._names)  # a later config overrides an earlier one
 
-    async def _prepare_channel(self, ref: ClaimRef, domain: ComputeDomain, config: ChannelConfig) -> str:
+    def _reserve(self, record: DomainClaim) -> None:
+        try:
+            self._store.reserve_domain_claim(record)
+        except MutationRejected as held:
+            raise ClaimRejected(str(held)) from None
+
+    async def _prepare_channel(
+        self, ref: ClaimRef, domain: ComputeDomain, config: ChannelConfig, record: DomainClaim
+    ) -> str:
         meta = domain.metadata
         what = f"ComputeDomain {meta.namespace}/{meta.name}"
         if meta.namespace != ref.namespace:
@@ -241,12 +368,12 @@ class ComputeDomainPreparer:
                 f"{what} already has its {wanted} node(s) ({', '.join(sorted(members))}); "
                 f"node {self._node} waits until one of them leaves"
             )
+        self._reserve(record)  # before the label: an unprepare, also after a crash, removes it
         other = await self._domains.label_node(meta.uid)
         if other is not None:
             raise ClaimRejected(
                 f"node {self._node} already serves ComputeDomain {other}; one domain per node"
             )
-        self._write_record(ref.uid, _Record(CHANNEL_TYPE, meta.uid))
         mine = next((n for n in domain.status.nodes if n.name == self._node), None)
         if mine is None or mine.status is not DomainStatus.READY:
             state = mine.status.value if mine else "not started"
@@ -258,11 +385,11 @@ class ComputeDomainPreparer:
         device = CdiDevice(name=CHANNEL_DEVICE, device_nodes=nodes)
         return await self._write_spec(ref.uid, device, ())
 
-    async def _prepare_daemon(self, ref: ClaimRef, domain: ComputeDomain) -> str:
+    async def _prepare_daemon(self, ref: ClaimRef, domain: ComputeDomain, record: DomainClaim) -> str:
         meta = domain.metadata
         directory = self._configs / meta.uid
+        self._reserve(record)  # before the files: an unprepare, also after a crash, removes them
         await asyncio.to_thread(self._write_daemon_files, directory, domain)
-        self._write_record(ref.uid, _Record(DAEMON_TYPE, meta.uid))
         env = (
             ("CLIQUE_ID", self._clique),
             ("COMPUTE_DOMAIN_UUID", meta.uid),
@@ -287,34 +414,48 @@ class ComputeDomainPreparer:
     async def _unprepare_one(self, ref: ClaimRef) -> ClaimError | None:
         try:
             async with self._lock(ref.uid):
-                record = self._read_record(ref.uid)
-                if record is not None and record.kind == CHANNEL_TYPE:
-                    await self._domains.unlabel_node(record.domain_uid)
-                if record is not None and record.kind == DAEMON_TYPE:
+                record = self._store.domain_claim(ref.uid)
+                if record is None:
+                    await self._unlabel_if_unexplained()
+                elif record.kind == CHANNEL_TYPE:
+                    await self._domains.unlabel_node(record.domain_uid or None)
+                elif record.domain_uid:  # a daemon's
                     await asyncio.to_thread(shutil.rmtree, self._configs / record.domain_uid, True)
                 await asyncio.to_thread(self._specs.remove, ref.uid)
-                (self._records / f"{ref.uid}.json").unlink(missing_ok=True)
+                self._store.release_domain_claim(ref.uid)
             return None
         except Exception as error:
             log.warning("unpreparing a compute-domain claim failed", claim=str(ref), error=str(error))
             return ClaimError(f"unpreparing claim {ref} failed: {error}")
 
-    # --- records -------------------------------------------------------------------------------------
+    async def _unlabel_if_unexplained(self) -> None:
+        """An unknown claim's unprepare: a label that no recorded channel claim explains goes.
 
-    def _write_record(self, claim_uid: str, record: _Record) -> None:
-        self._records.mkdir(parents=True, exist_ok=True)
-        text = json.dumps({"kind": record.kind, "domainUID": record.domain_uid})
-        _write_atomically(self._records / f"{claim_uid}.json", text)
-
-    def _read_record(self, claim_uid: str) -> _Record | None:
-        try:
-            data = json.loads((self._records / f"{claim_uid}.json").read_text())
-        except FileNotFoundError:
-            return None
-        return _Record(str(data["kind"]), str(data["domainUID"]))
+        It is what a channel claim waiting for its daemon left when the store was lost: its row
+        went, and with no spec yet nothing rebuilt it. While a channel claim is recorded, the
+        label is that claim's (the node has one channel device) and stays.
+        """
+        if not any(c.kind == CHANNEL_TYPE for c in self._store.domain_claims()):
+            await self._domains.unlabel_node(None)
 
     def _lock(self, claim_uid: str) -> asyncio.Lock:
         return self._locks.setdefault(claim_uid, asyncio.Lock())
+
+
+def _claim_of_spec(uid: str, spec: dict[str, Any] | None) -> DomainClaim | None:
+    """The record a spec of this driver tells of: its device, and a daemon's domain (see the module doc)."""
+    if spec is None:
+        return None  # removed meanwhile (the other instance's unprepare)
+    for device in spec.get("devices") or []:
+        name = str(device.get("name", "")).removeprefix(f"{uid}-")
+        if name == CHANNEL_DEVICE:
+            return DomainClaim(uid, "", "", CHANNEL_TYPE, name, "", phase="Recovered")
+        if name == DAEMON_DEVICE:
+            env = device.get("containerEdits", {}).get("env") or []
+            prefix = "COMPUTE_DOMAIN_UUID="
+            domain_uid = next((e.removeprefix(prefix) for e in env if e.startswith(prefix)), "")
+            return DomainClaim(uid, "", "", DAEMON_TYPE, name, domain_uid, phase="Recovered")
+    raise ValueError("it names neither a channel nor a daemon device")
 
 
 def _write_atomically(path: Path, text: str) -> None:

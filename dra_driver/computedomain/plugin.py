@@ -30,6 +30,8 @@ from dra_driver.kube import ApiClient
 from dra_driver.kubelet.server import KubeletPlugin
 from dra_driver.kubelet.sockets import KubeletSocketError
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
+from dra_driver.node.records import read_boot_id
+from dra_driver.node.store import Store, open_store
 from dra_driver.resources.publisher import SlicePublisher
 from dra_driver.rest import JsonApi
 
@@ -85,10 +87,10 @@ class ApiDomains:
             await self._kube.merge_patch(self._node_path, {"metadata": {"labels": {self._names.label: uid}}})
         return None
 
-    async def unlabel_node(self, uid: str) -> None:
+    async def unlabel_node(self, uid: str | None) -> None:
         node = await self._kube.get(self._node_path)
         current = ((node or {}).get("metadata", {}).get("labels") or {}).get(self._names.label)
-        if current == uid:
+        if current and current == (uid or current):
             await self._kube.merge_patch(self._node_path, {"metadata": {"labels": {self._names.label: None}}})
 
 
@@ -104,6 +106,8 @@ class ComputeDomainPlugin:
         api: ApiClient,
         inventory: Inventory,
         state_dir: Path,
+        store_path: Path,
+        boot_id_path: Path,
         cdi_dir: Path,
         plugins_dir: Path,
         registry_dir: Path,
@@ -116,6 +120,9 @@ class ComputeDomainPlugin:
         self._api = api
         self._inventory = inventory
         self._state_dir = state_dir
+        self._store_path = store_path
+        self._boot_id_path = boot_id_path
+        self._store: Store | None = None
         self._cdi_dir = cdi_dir
         self._plugins_dir = plugins_dir
         self._registry_dir = registry_dir
@@ -142,6 +149,9 @@ class ComputeDomainPlugin:
                 driver=self.names.driver,
             )
             return False
+        # Its own connection to the node's store, which the GPU driver's start has brought up to date.
+        boot_id = await asyncio.to_thread(read_boot_id, self._boot_id_path)
+        self._store = (await asyncio.to_thread(open_store, self._store_path, boot_id)).store
         self.preparer = ComputeDomainPreparer(
             names=self.names,
             node_name=self._node,
@@ -149,9 +159,11 @@ class ComputeDomainPlugin:
             claims=ApiServerClaimFetcher(self._api),
             domains=ApiDomains(JsonApi(self._api), self.names, self._node),
             specs=SpecStore(self._cdi_dir, self.names.driver),
+            store=self._store,
             state_dir=self._state_dir,
             channel_major=major,
         )
+        await asyncio.to_thread(self.preparer.start, boot_id)
         try:
             plugin = KubeletPlugin(
                 self.names.driver,
@@ -179,3 +191,6 @@ class ComputeDomainPlugin:
     async def stop(self) -> None:
         if self._plugin is not None:
             await self._plugin.stop()
+        if self._store is not None:
+            self._store.close()
+            self._store = None

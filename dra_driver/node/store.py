@@ -45,7 +45,18 @@ rebuilt from their CDI specs (:mod:`dra_driver.node.recovery`). A store written 
 schema is refused at start: rolling back an upgrade must not drop the newer driver's records.
 Schema 2 was the ``checkpoint.json`` of earlier versions; its files are imported once
 (:mod:`dra_driver.node.legacy`). Schema 3 lacked a share's memory and the sharing and orphan
-tables; they are added in place, the sharing rows filled from the records.
+tables; they are added in place, the sharing rows filled from the records. Schema 4 lacked the
+compute-domain driver's table; it is added in place, and that driver imports the per-claim files
+it kept before (:mod:`dra_driver.computedomain.node`).
+
+**The compute-domain driver's claims** (``domain_claims``) are rows of the same store: each
+channel or daemon claim, the device it holds (``channel-0``, ``daemon-0``), the ComputeDomain it
+serves and, for a channel, its allocation mode. A unique index over the device is the rule, as
+for the GPUs' units: NVIDIA's driver counts every channel claim as one of channel 0, whether its
+allocationMode is ``Single`` (channel 0 in the container) or ``All`` (every channel of the node),
+and refuses a second one while the first is prepared; the node publishes one channel and one
+daemon device. So one claim holds each, an admin-access allocation too: the node's label and the
+daemon's files that a claim brings are that claim's, and a second claim would take them away.
 """
 
 from __future__ import annotations
@@ -58,6 +69,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -68,6 +80,7 @@ from dra_driver.node.records import (
     GpuPolicyRecord,
     MigRecord,
     NodeState,
+    Phase,
     SharingRecord,
     SharingState,
     describe,
@@ -78,7 +91,7 @@ from dra_driver.resources.naming import PASSTHROUGH_PREFIX
 log = structlog.get_logger(__name__)
 
 STORE_FILE = "state.db"
-SCHEMA_VERSION = 4  # 1 and 2: checkpoint.json (see legacy.py); 3 lacked the sharing and orphan tables
+SCHEMA_VERSION = 5  # 1, 2: checkpoint.json (legacy.py); 3: no sharing and orphan tables; 4: no domain_claims
 GPU_SLICES = 8  # memory slices of the largest MIG-capable GPU: what a full GPU occupies
 BUSY_TIMEOUT_S = 10.0  # the longest wait for the other instance's transaction; they take microseconds
 
@@ -94,6 +107,17 @@ CREATE TABLE orphaned_gpu_instances (  -- left by a failed rollback (dra_driver.
     gpu_uuid TEXT NOT NULL, profile_id INTEGER NOT NULL, start INTEGER NOT NULL, size INTEGER NOT NULL,
     PRIMARY KEY (gpu_uuid, profile_id, start, size)
 ) STRICT, WITHOUT ROWID;
+"""
+
+_SINCE_5 = """
+CREATE TABLE domain_claims (  -- the compute-domain driver's claims (dra_driver.computedomain.node)
+    uid TEXT PRIMARY KEY, namespace TEXT NOT NULL, name TEXT NOT NULL,
+    kind TEXT NOT NULL CHECK (kind IN ('channel', 'daemon')), device TEXT NOT NULL,
+    domain_uid TEXT NOT NULL,  -- '' for a channel rebuilt from its CDI spec, which does not name it
+    allocation_mode TEXT,  -- a channel's: Single or All
+    phase TEXT NOT NULL, attempt TEXT NOT NULL
+) STRICT, WITHOUT ROWID;
+CREATE UNIQUE INDEX domain_device_holder ON domain_claims (device);  -- one claim per device
 """
 
 _SCHEMA = (
@@ -113,6 +137,7 @@ CREATE INDEX holds_of_mig ON holds (mig_uuid) WHERE mig_uuid IS NOT NULL;
 CREATE TABLE mig_devices (uuid TEXT PRIMARY KEY, record TEXT NOT NULL) STRICT, WITHOUT ROWID;
 """
     + _SINCE_4
+    + _SINCE_5
 )
 
 
@@ -177,6 +202,24 @@ class Opened:
     stale: tuple[str, ...] = ()  # claims of an earlier boot, dropped: remove their CDI specs
     earlier_boot: bool = False
     moved_aside: Path | None = None  # an untrustworthy store went there: rebuild from the specs
+
+
+@dataclass(frozen=True)
+class DomainClaim:
+    """A claim of the compute-domain driver: the device it holds and the ComputeDomain it serves."""
+
+    uid: str
+    namespace: str  # '' (and name) for a claim rebuilt from its CDI spec, until the kubelet's repeat
+    name: str
+    kind: str  # "channel" or "daemon"
+    device: str
+    domain_uid: str
+    allocation_mode: str | None = None
+    phase: Phase = "PrepareStarted"
+    attempt: str = ""
+
+
+DOMAIN_BOOT_KEY = "compute_domains_boot_id"  # the boot the compute-domain driver last started in
 
 
 def units(device: DeviceRecord) -> list[tuple[str, str]]:
@@ -332,6 +375,65 @@ class Store:
         with self._write() as db:
             db.execute("DELETE FROM mig_devices WHERE uuid = ?", (uuid,))
 
+    # --- the compute-domain driver's claims (domain_claims) ----------------------------------
+
+    def domain_claim(self, uid: str) -> DomainClaim | None:
+        row = self._db.execute("SELECT * FROM domain_claims WHERE uid = ?", (uid,)).fetchone()
+        return _domain_claim(row) if row else None
+
+    def domain_claims(self) -> list[DomainClaim]:
+        return [_domain_claim(row) for row in self._db.execute("SELECT * FROM domain_claims ORDER BY uid")]
+
+    def reserve_domain_claim(self, claim: DomainClaim) -> None:
+        """Record ``claim`` (replacing an earlier attempt's record of it), holding its device.
+
+        :class:`MutationRejected` names the claim that holds the device.
+        """
+        with self._write() as db:
+            _put_domain_claim(db, claim)
+
+    def complete_domain_claim(self, uid: str, attempt: str) -> None:
+        """Mark the attempt's record prepared; :class:`MutationRejected` when it is gone or taken over."""
+        with self._write() as db:
+            changed = db.execute(
+                "UPDATE domain_claims SET phase = 'PrepareCompleted' WHERE uid = ? AND attempt = ?",
+                (uid, attempt),
+            ).rowcount
+            if not changed:
+                raise MutationRejected(
+                    f"claim {uid} was unprepared or taken over while it was being prepared; the kubelet "
+                    "will retry"
+                )
+
+    def release_domain_claim(self, uid: str) -> None:
+        with self._write() as db:
+            db.execute("DELETE FROM domain_claims WHERE uid = ?", (uid,))
+
+    def start_domain_claims(self, boot_id: str, recorded: Iterable[DomainClaim]) -> bool:
+        """The compute-domain driver's start, one transaction: whether its rows are of an earlier boot.
+
+        The GPU driver's start has already moved the store to this boot (and dropped these rows);
+        the boot the compute-domain driver last started in tells it that its CDI specs and
+        configuration directories are stale too. None recorded (a new store) is this boot's: the
+        specs are then the evidence, as for the GPUs. ``recorded`` (the claims of its files from
+        before this store) are inserted through the checked path when current; a conflict is logged.
+        """
+        with self._write() as db:
+            row = db.execute("SELECT value FROM meta WHERE key = ?", (DOMAIN_BOOT_KEY,)).fetchone()
+            earlier = row is not None and row[0] != boot_id
+            if earlier:
+                db.execute("DELETE FROM domain_claims")
+            else:
+                for claim in recorded:
+                    try:
+                        _put_domain_claim(db, claim)
+                    except MutationRejected as conflict:
+                        log.error(
+                            "a compute-domain claim of the earlier version conflicts", error=str(conflict)
+                        )
+            db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (DOMAIN_BOOT_KEY, boot_id))
+        return earlier
+
     @contextlib.contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
         try:
@@ -452,6 +554,45 @@ def _put(db: sqlite3.Connection, uid: str, record: ClaimRecord, existing: ClaimR
     )
 
 
+def _domain_claim(row: tuple[Any, ...]) -> DomainClaim:
+    return DomainClaim(*row)
+
+
+def _put_domain_claim(db: sqlite3.Connection, claim: DomainClaim) -> None:
+    db.execute("DELETE FROM domain_claims WHERE uid = ?", (claim.uid,))
+    try:
+        db.execute(
+            "INSERT INTO domain_claims VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                claim.uid,
+                claim.namespace,
+                claim.name,
+                claim.kind,
+                claim.device,
+                claim.domain_uid,
+                claim.allocation_mode,
+                claim.phase,
+                claim.attempt,
+            ),
+        )
+    except sqlite3.IntegrityError:  # the unique index: another claim holds the device
+        row = db.execute("SELECT * FROM domain_claims WHERE device = ?", (claim.device,)).fetchone()
+        if row is None:
+            raise
+        holder = _domain_claim(row)
+        raise MutationRejected(
+            f"device {claim.device} is already prepared for claim {_domain_name(holder)}; a node has one "
+            f"{claim.kind} device, which serves one claim at a time (allocationMode All too). The "
+            "scheduler allocated it from a stale ResourceSlice: the kubelet retries, and the device is "
+            "free once that claim is unprepared",
+            holder.uid,
+        ) from None
+
+
+def _domain_name(claim: DomainClaim) -> str:
+    return f"{claim.namespace}/{claim.name} ({claim.uid})" if claim.namespace else claim.uid
+
+
 def _holder(db: sqlite3.Connection, uid: str) -> str:
     record = Store._claim_in(db, uid)
     return describe(uid, record) if record else uid
@@ -556,6 +697,8 @@ def open_store(path: Path, boot_id: str) -> Opened:
         else:
             if db.execute("PRAGMA user_version").fetchone()[0] == 3:
                 _upgrade_from_3(db)
+            if db.execute("PRAGMA user_version").fetchone()[0] == 4:
+                _upgrade_from_4(db)
             (recorded,) = db.execute("SELECT value FROM meta WHERE key = 'boot_id'").fetchone()
             stale = None if recorded == boot_id else _forget_earlier_boot(db, recorded, boot_id)
     if created:
@@ -578,6 +721,17 @@ def _upgrade_from_3(db: sqlite3.Connection) -> None:
     _run(db, _SINCE_4)
     for uid, text in db.execute("SELECT uid, record FROM claims").fetchall():
         _put_sharing(db, uid, ClaimRecord.model_validate_json(text).sharing)
+    db.execute("PRAGMA user_version = 4")
+
+
+def _upgrade_from_4(db: sqlite3.Connection) -> None:
+    """Schema 4 lacked the compute-domain driver's table: added, with the boot of the store's rows.
+
+    That driver kept its claims in files of its own until now; it imports them at its start, and
+    the boot recorded here tells it whether they are of this boot.
+    """
+    _run(db, _SINCE_5)
+    db.execute("INSERT INTO meta SELECT ?, value FROM meta WHERE key = 'boot_id'", (DOMAIN_BOOT_KEY,))
     db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
 
@@ -589,8 +743,9 @@ def _forget_earlier_boot(db: sqlite3.Connection, recorded: str, boot_id: str) ->
         boot_id=boot_id,
         stale_claims=len(stale),
     )
-    # Nor do MIG devices, GPU settings or MPS daemons survive a reboot.
-    for table in ("holds", "claims", "mig_devices", "gpu_settings", "mps_daemons", "orphaned_gpu_instances"):
+    # Nor do MIG devices, GPU settings, MPS daemons or compute-domain claims survive a reboot.
+    tables = ("holds", "claims", "mig_devices", "gpu_settings", "mps_daemons", "orphaned_gpu_instances")
+    for table in (*tables, "domain_claims"):
         db.execute(f"DELETE FROM {table}")
     db.execute("UPDATE meta SET value = ? WHERE key = 'boot_id'", (boot_id,))
     return stale

@@ -73,6 +73,7 @@ from dra_driver.node.config import API_VERSION
 from dra_driver.node.sharing.mps_local import LocalMpsDaemons
 from dra_driver.node.types import ClaimRef
 from e2e.driver import DriverPaths
+from e2e.reliability import kill9_domains
 from e2e.reliability.env import Env, SimNode
 from e2e.reliability.plugin import (
     DRIVER,
@@ -136,6 +137,7 @@ class Kill9Figures:
     wrong_bindings: int = 0
     leaked_vfio: int = 0  # GPUs still off nvidia after the unprepare
     vfio_kept_after_store_loss: int = 0  # bound before the loss, named by no spec yet: as for MIG
+    leaked_node_labels: int = 0  # a ComputeDomain's label left on the node after its channel's unprepare
     killed_at: Counter[str] = field(default_factory=Counter)
     claims_by_kind: Counter[str] = field(default_factory=Counter)
     store_losses: Counter[str] = field(default_factory=Counter)  # "deleted" / "corrupted": applied
@@ -162,6 +164,7 @@ class Kill9Figures:
             "kill9.wrong_bindings": self.wrong_bindings,
             "kill9.leaked_vfio": self.leaked_vfio,
             "kill9.vfio_kept_after_store_loss": self.vfio_kept_after_store_loss,
+            "kill9.leaked_node_labels": self.leaked_node_labels,
             "kill9.killed_at": dict(sorted(self.killed_at.items())),
             "kill9.kinds": sorted(self.claims_by_kind),
             "kill9.claims_by_kind": dict(sorted(self.claims_by_kind.items())),
@@ -322,6 +325,8 @@ async def run(env: Env, runs: int, seed: int) -> Kill9Figures:
     finally:
         await plugin.stop()
         await second.stop()
+    # The compute-domain driver's kinds, on a node of an NVLink clique (one run in five, three at least).
+    await kill9_domains.run(env, max(3, runs // 5), seed, figures)
     return figures
 
 

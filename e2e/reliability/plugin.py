@@ -70,8 +70,10 @@ class Plugin:
         log: Path,
         pod_uid: str = "",
         extra_args: Sequence[str] = (),
+        profile: str = PROFILE,
     ) -> None:
         self.node = node
+        self.profile = profile
         self.paths = paths
         self.log = log
         self.pod_uid = pod_uid
@@ -214,7 +216,7 @@ class Plugin:
         return [
             sys.executable, "-m", "dra_driver", "kubelet-plugin",
             f"--node-name={self.node}",
-            f"--simulate={PROFILE}",
+            f"--simulate={self.profile}",
             "--mig-partitions=all",
             f"--kubeconfig={self._kubeconfig}",
             f"--plugins-dir={paths.plugins}",

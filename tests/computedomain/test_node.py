@@ -20,6 +20,7 @@ from dra_driver.computedomain.api import (
     parse_compute_domain,
 )
 from dra_driver.computedomain.node import ComputeDomainPreparer, compute_domain_slices
+from dra_driver.node.store import STORE_FILE, open_store
 from dra_driver.node.types import ClaimError
 from tests.node.builders import InMemoryClaims, claim_json, new_ref, opaque, result
 
@@ -60,22 +61,31 @@ class FakeDomains:
         self.labels[NODE] = uid
         return None
 
-    async def unlabel_node(self, uid: str) -> None:
-        if self.labels.get(NODE) == uid:
+    async def unlabel_node(self, uid: str | None) -> None:
+        if NODE in self.labels and self.labels[NODE] == (uid or self.labels[NODE]):
             del self.labels[NODE]
 
 
-def preparer(tmp_path: Path, domains: FakeDomains, claims: InMemoryClaims) -> ComputeDomainPreparer:
-    return ComputeDomainPreparer(
+BOOT = "boot-1"
+
+
+def preparer(
+    tmp_path: Path, domains: FakeDomains, claims: InMemoryClaims, boot_id: str = BOOT
+) -> ComputeDomainPreparer:
+    """A started preparer on the node's store (``tmp_path/state.db``), as a new plugin process starts it."""
+    node = ComputeDomainPreparer(
         names=NAMES,
         node_name=NODE,
         clique=CLIQUE,
         claims=claims,
         domains=domains,
         specs=SpecStore(tmp_path / "cdi", NAMES.driver),
-        state_dir=tmp_path / "state",
+        store=open_store(tmp_path / STORE_FILE, boot_id).store,
+        state_dir=tmp_path / "compute-domains",
         channel_major=234,
     )
+    node.start(boot_id)
+    return node
 
 
 def channel_claim(

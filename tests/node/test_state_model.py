@@ -43,8 +43,11 @@ the simulated sysfs tree, which a crash copies and puts back with the rest, driv
 
 The kinds, and the devices each may be allocated, are one table (:data:`KINDS`), with a column per
 node: :mod:`tests.node.test_state_model_nvml` runs the same machine on the NVML backend over the
-mock libnvidia-ml.so.1. Compute-domain channels are not among the kinds: the compute-domain plugin
-prepares them (``dra_driver.computedomain.node``), with records of its own, not this preparer.
+mock libnvidia-ml.so.1. The compute-domain kinds (a channel, allocationMode Single or All, and an
+IMEX daemon's claim) go to the compute-domain driver's preparer (``dra_driver.computedomain.node``)
+that each plugin instance runs beside the GPU one on the same store (:class:`PluginInstance`), as
+the kubelet sends them to that driver's socket; its ComputeDomain is Ready on the node, and the
+node's label it sets is checked too (none left on an idle node), and the daemon's files.
 ``e2e/reliability`` runs both machines with many more examples (``make reliability``) and reports
 their counts.
 """
@@ -80,13 +83,24 @@ from hypothesis.stateful import (
 )
 
 from dra_driver import crashpoint
+from dra_driver.cdi.store import SpecStore
+from dra_driver.computedomain.api import (
+    ChannelAllocationMode,
+    channel_config,
+    daemon_config,
+    parse_compute_domain,
+)
+from dra_driver.computedomain.node import ComputeDomainPreparer
 from dra_driver.devices.types import ComputePolicy
 from dra_driver.node.preparer import NodePreparer
+from dra_driver.node.records import read_boot_id
 from dra_driver.node.sharing.mps_local import LocalMpsDaemons
-from dra_driver.node.types import ClaimError, ClaimRef
+from dra_driver.node.store import Store, open_store
+from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice
 from dra_driver.resources.naming import mig_device_name
+from tests.computedomain.test_node import CLIQUE, NAMES, FakeDomains, domain
 
-from .builders import Node, gpu_config, make_node, new_ref, opaque
+from .builders import NODE, Node, claim_json, gpu_config, make_node, new_ref, opaque, result
 
 
 class Kind(enum.StrEnum):
@@ -99,6 +113,9 @@ class Kind(enum.StrEnum):
     TIME_SLICING = "time-slicing"
     MPS = "mps"
     PASSTHROUGH = "passthrough"
+    CHANNEL = "compute-domain-channel"
+    CHANNEL_ALL = "compute-domain-channel-all"  # allocationMode All: every channel, still channel-0's
+    IMEX_DAEMON = "compute-domain-daemon"
 
 
 class Hold(enum.Enum):
@@ -125,6 +142,8 @@ class KindSpec:
     changes_gpu_settings: bool = False  # compute mode or time slice, put back at unprepare
     makes_mig: bool = False  # the driver creates the claim's MIG device, and destroys it again
     passes_through: bool = False  # the driver moves the claim's GPU to vfio-pci, and back again
+    compute_domain: str | None = None  # the compute-domain driver's: "channel" or "daemon"
+    channel_mode: ChannelAllocationMode = ChannelAllocationMode.SINGLE
 
 
 # One entry per kind. gpu-0 is a free H100 (full, or MIG devices the driver makes), gpu-1 an H100
@@ -167,6 +186,13 @@ KINDS: dict[Kind, KindSpec] = {
         changes_gpu_settings=True,
     ),
     Kind.PASSTHROUGH: KindSpec(("gpu-vfio-0", "gpu-vfio-3"), passes_through=True),
+    # The node's one channel and one daemon device (on the simulated node only: the driver is the same
+    # on NVML). Each holds all of its own "slices", so two claims of one device conflict.
+    Kind.CHANNEL: KindSpec(("channel-0",), compute_domain="channel"),
+    Kind.CHANNEL_ALL: KindSpec(
+        ("channel-0",), compute_domain="channel", channel_mode=ChannelAllocationMode.ALL
+    ),
+    Kind.IMEX_DAEMON: KindSpec(("daemon-0",), compute_domain="daemon"),
 }
 
 
@@ -250,6 +276,68 @@ class Claim:
 
     def __str__(self) -> str:
         return f"{self.ref.name} ({self.kind} {self.device}, {self.status.value})"
+
+
+# The one ComputeDomain of the machine's node, its IMEX daemon Ready there: a channel is prepared at once.
+DOMAIN = parse_compute_domain(
+    {
+        **domain(namespace="default").model_dump(by_alias=True),
+        "status": {"nodes": [{"name": NODE, "cliqueID": CLIQUE, "status": "Ready", "ipAddress": "10.0.0.1"}]},
+    }
+)
+
+
+class PluginInstance:
+    """One plugin process: the GPU driver's preparer and, where the machine draws compute-domain kinds,
+    the compute-domain driver's, each with its own connection to the node's one store.
+
+    The kubelet calls each driver on its own socket; :meth:`prepare` and :meth:`unprepare` send a
+    claim to the driver it was allocated from, as the kubelet does.
+    """
+
+    def __init__(
+        self, gpus: NodePreparer, domains: ComputeDomainPreparer | None, domain_uids: set[str], boot_id: str
+    ) -> None:
+        self.gpus = gpus
+        self.domains = domains
+        self._domain_uids = domain_uids  # the machine's compute-domain claims, shared
+        self._boot_id = boot_id
+
+    async def start(self) -> None:
+        await self.gpus.start()
+        if self.domains is not None:
+            await asyncio.to_thread(self.domains.start, self._boot_id)
+
+    async def prepare(self, refs: list[ClaimRef]) -> dict[str, Any]:
+        return await self._each(refs, "prepare")
+
+    async def unprepare(self, refs: list[ClaimRef]) -> dict[str, Any]:
+        return await self._each(refs, "unprepare")
+
+    async def _each(self, refs: list[ClaimRef], operation: str) -> dict[str, Any]:
+        ours = [r for r in refs if r.uid in self._domain_uids]
+        gpus = [r for r in refs if r.uid not in self._domain_uids]
+        outcomes: dict[str, Any] = await getattr(self.gpus, operation)(gpus) if gpus else {}
+        if ours:
+            assert self.domains is not None
+            outcomes |= await getattr(self.domains, operation)(ours)
+        return outcomes
+
+    def prepared(self) -> list[tuple[ClaimRef, tuple[PreparedDevice, ...]]]:
+        claims = list(self.gpus.prepared())
+        if self.domains is not None:
+            store = self.domains._store
+            claims += [
+                (ClaimRef(c.namespace, c.name, c.uid), ())
+                for c in store.domain_claims()
+                if c.phase == "PrepareCompleted"
+            ]
+        return claims
+
+    async def drain(self, grace: float) -> None:
+        await self.gpus.drain(grace)
+        if self.domains is not None:
+            self.domains._store.close()
 
 
 class Crash(BaseException):
@@ -467,8 +555,10 @@ class NodeStateModel(RuleBasedStateMachine):
         self.crashes.loop, self.crashes.threads = self.loop, threads
         self.crashes.install()
         self.model: list[Claim] = []
-        self.instances: list[NodePreparer] = []  # alive, oldest first
-        self.gone: list[NodePreparer] = []  # stopped or crashed: kept, never called again
+        self.instances: list[PluginInstance] = []  # alive, oldest first
+        self.gone: list[PluginInstance] = []  # stopped or crashed: kept, never called again
+        self.domain_uids: set[str] = set()  # the claims of the compute-domain driver
+        self.api = FakeDomains(DOMAIN)  # the API server's ComputeDomain and the node's label
         # GPUs whose settings to put back were lost with the state while a claim had changed them
         self.settings_forgotten: set[str] = set()
         # devices the node may keep for good: what a claim with no spec made (a dynamic MIG device, its
@@ -535,6 +625,30 @@ class NodeStateModel(RuleBasedStateMachine):
         """The driver's state directory (``--data-dir``), whatever the store keeps in it."""
         return self.node.checkpoint_path.parent
 
+    @property
+    def domain_specs(self) -> SpecStore:
+        """The compute-domain driver's CDI specs, in the same CDI directory."""
+        return SpecStore(self.node.cdi_dir, NAMES.driver)
+
+    def _new_instance(self) -> PluginInstance:
+        """A plugin process: its GPU preparer and, where this machine draws them, its compute-domain one."""
+        domains = None
+        boot_id = read_boot_id(self.node.boot_id_path)
+        if any(self.devices(kind) for kind in Kind if KINDS[kind].compute_domain):
+            store: Store = open_store(self.node.store_path, boot_id).store
+            domains = ComputeDomainPreparer(
+                names=NAMES,
+                node_name=NODE,
+                clique=CLIQUE,
+                claims=self.node.claims,
+                domains=self.api,
+                specs=self.domain_specs,
+                store=store,
+                state_dir=self.data_dir / "compute-domains",
+                channel_major=234,
+            )
+        return PluginInstance(self._new_preparer(), domains, self.domain_uids, boot_id)
+
     def run(self, work: Coroutine[Any, Any, Any]) -> Any:
         return self.loop.run_until_complete(work)
 
@@ -556,7 +670,7 @@ class NodeStateModel(RuleBasedStateMachine):
     def _start(self, crash: tuple[str, int] | None = None) -> None:
         """A new plugin instance on the node's directories; ``crash``: one dies while it recovers."""
         if crash is not None:
-            dying = self._new_preparer()
+            dying = self._new_instance()
             with self.crashes.armed(*crash):
                 try:
                     self.run(self.crashes.dying(dying.start()))
@@ -567,7 +681,7 @@ class NodeStateModel(RuleBasedStateMachine):
                 else:
                     self.instances.append(dying)
                     return
-        preparer = self._new_preparer()
+        preparer = self._new_instance()
         self.run(preparer.start())
         self.instances.append(preparer)
 
@@ -577,7 +691,7 @@ class NodeStateModel(RuleBasedStateMachine):
         self.gone.extend(self.instances)
         self.instances.clear()
 
-    def _via(self, choice: int) -> NodePreparer:
+    def _via(self, choice: int) -> PluginInstance:
         """The instance the kubelet calls: during a rolling update, either."""
         return self.instances[choice % len(self.instances)]
 
@@ -662,7 +776,18 @@ class NodeStateModel(RuleBasedStateMachine):
         elif spec.hold is Hold.ADMIN:
             options["admin_access"] = True
         configs = [opaque(spec.config)] if spec.config is not None else []
-        self.node.allocate(ref, device, configs=configs, **options)
+        if spec.compute_domain is not None:
+            uid_of_domain = DOMAIN.metadata.uid
+            parameters = (
+                channel_config(NAMES, uid_of_domain, spec.channel_mode)
+                if spec.compute_domain == "channel"
+                else daemon_config(NAMES, uid_of_domain)
+            )
+            allocation = result(device, spec.compute_domain, driver=NAMES.driver, pool=NODE)
+            self.node.claims.put(claim_json(ref, [allocation], [opaque(parameters, driver=NAMES.driver)]))
+            self.domain_uids.add(ref.uid)
+        else:
+            self.node.allocate(ref, device, configs=configs, **options)
         self.model.append(Claim(ref, kind, device, self.shape.units(device)))
         return ref.name
 
@@ -704,7 +829,7 @@ class NodeStateModel(RuleBasedStateMachine):
 
     def _call(
         self,
-        preparer: NodePreparer,
+        preparer: PluginInstance,
         operation: Callable[[list[ClaimRef]], Coroutine[Any, Any, dict[str, Any]]],
         claim: Claim,
         crash_at: tuple[str, int] | None,
@@ -781,7 +906,7 @@ class NodeStateModel(RuleBasedStateMachine):
         """The data directory is wiped or damaged while the driver is down; it starts again."""
         self._step(f"the state is {how}; restart")
         self._stop_all()
-        specs = self.node.specs.claim_uids()
+        specs = self.node.specs.claim_uids() | self.domain_specs.claim_uids()
         for claim in self.model:
             claim.named = False
             kind = KINDS[claim.kind]
@@ -810,8 +935,7 @@ class NodeStateModel(RuleBasedStateMachine):
     def _spec_holds(self) -> dict[str, list[tuple[str, str]]]:
         """Per claim uid with a CDI spec: (device, how) for each device, how in exclusive/share/admin."""
         holds: dict[str, list[tuple[str, str]]] = {}
-        specs = self.node.specs
-        for uid in specs.claim_uids():
+        for specs, uid in [(s, uid) for s in (self.node.specs, self.domain_specs) for uid in s.claim_uids()]:
             spec = specs.read(uid)
             assert spec is not None
             for device in spec["devices"]:
@@ -843,7 +967,7 @@ class NodeStateModel(RuleBasedStateMachine):
 
     @invariant()
     def the_kubelet_and_the_node_agree(self) -> None:
-        specs = self.node.specs.claim_uids()
+        specs = self.node.specs.claim_uids() | self.domain_specs.claim_uids()
         recorded = {ref.uid for preparer in self.instances for ref, _ in preparer.prepared()}
         daemons = self.run(self.mps.running())
         for claim in self.model:
@@ -877,8 +1001,13 @@ class NodeStateModel(RuleBasedStateMachine):
         if any(c.may_hold for c in self.model):
             return
         assert not self.node.specs.claim_uids(), "CDI specs left on an idle node" + self._history()
+        assert not self.domain_specs.claim_uids(), "channel specs left on an idle node" + self._history()
         for preparer in self.instances:
             assert not preparer.prepared(), "records left on an idle node" + self._history()
+        assert not self.api.labels, f"the node keeps the label {self.api.labels}" + self._history()
+        daemon_files = self.data_dir / "compute-domains" / "domains"
+        left = sorted(p.name for p in daemon_files.glob("*")) if daemon_files.is_dir() else []
+        assert not left, f"IMEX daemon files left: {left}" + self._history()
         assert not self.run(self.mps.running()), "MPS daemons left on an idle node" + self._history()
         for gpu, policy in sorted(self._changed_gpu_settings().items()):
             assert gpu in self.settings_forgotten, f"{gpu} keeps {policy}" + self._history()

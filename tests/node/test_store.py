@@ -412,6 +412,7 @@ def test_a_schema_3_store_gets_the_sharing_and_orphan_tables_and_keeps_its_claim
     store.commit(Release("a"))
     assert store.sharing() == SharingState()
     assert store.orphans() == []
+    assert store.domain_claims() == []  # and on to schema 5
 
 
 def test_orphaned_gpu_instances_are_changed_row_by_row_so_two_instances_keep_each_others(
