@@ -49,7 +49,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from dra_driver.node.claim_status import ClaimStatusApi, StatusWriteError
+from dra_driver.node.claim_status import ClaimStatusApi, StatusWriteError, refusal_reason
 from dra_driver.node.records import ClaimRecord
 from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice
 from dra_driver.resources.devices import FAILED_CONDITION, READY_CONDITION
@@ -283,7 +283,13 @@ class BindingWatcher:
                 await self._status.apply_status(ref, entries, self._field_manager)
             except StatusWriteError as error:
                 if error.status in _NOT_RETRIED or attempt == _WRITE_ATTEMPTS:
-                    log.warning("binding conditions not written", error=str(error), attempts=attempt)
+                    reason = refusal_reason(error)  # the pod waits out the scheduler's bindingTimeout
+                    log.warning(
+                        "binding conditions not written",
+                        error=str(error),
+                        attempts=attempt,
+                        **({"reason": reason} if reason else {}),
+                    )
                     return
                 delay = self._retry_initial * 2 ** (attempt - 1)
                 await asyncio.sleep(random.uniform(delay / 2, delay))  # a backoff, not a synchronisation
