@@ -12,6 +12,7 @@ the simulated GPUs themselves.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,8 @@ import pytest
 
 from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.resources.server_rules import rules_for
+from e2e import manifests
+from e2e.claims import GPU_CLASS
 from e2e.cluster import ClusterInfo, JsonObject, RestClient
 from e2e.daemon import wait_until
 from e2e.driver import DRIVER_NAME
@@ -176,4 +179,94 @@ def test_a_failed_mig_creation_sends_the_pod_back_to_the_scheduler_with_the_reas
     delete_pod(rest, namespace, "failing")
     wait_until(
         lambda: live_mig_devices(node, 1) == [], timeout_seconds=60, waiting_for="the MIG device to go"
+    )
+
+
+# --- claims whose opaque config the API server keeps in bytes it will not take back ---------------------
+#
+# Sent as Python's json.dumps writes it (spaces after `,` and `:`), an opaque config is kept as those
+# bytes; the API server then refuses every status write of the claim once allocated
+# (e2e/test_claim_status.py, docs/binding-conditions.md). The driver cannot help it; it says why.
+
+CONFIG_API = "resource.dra-driver.dev/v1alpha1"
+
+
+def with_config(template_body: JsonObject, kind: str) -> JsonObject:
+    config = {
+        "requests": ["gpu"],
+        "opaque": {"driver": DRIVER_NAME, "parameters": {"apiVersion": CONFIG_API, "kind": kind}},
+    }
+    template_body["spec"]["spec"]["devices"]["config"] = [config]
+    return template_body
+
+
+def create_as_json_dumps(rest: RestClient, node: GpuNode, namespace: str, *objects: JsonObject) -> None:
+    """Created as the Python kubernetes client sends them, not as kubectl does."""
+    for obj in manifests.pinned(objects, node.name):
+        rest.request("POST", manifests.collection(obj["kind"], namespace), json.dumps(obj).encode())
+
+
+def driver_warnings(node: GpuNode, since: int, event: str) -> list[str]:
+    return [line for line in node.driver.daemon.log_since(since).splitlines() if event in line]
+
+
+def test_a_full_gpu_claim_whose_config_was_sent_as_json_dumps_writes_it_runs_without_its_status_entry(
+    rest: RestClient, binding_node: GpuNode, namespace: str
+) -> None:
+    node = binding_node
+    since = node.driver.daemon.log_size()
+    create_as_json_dumps(
+        rest,
+        node,
+        namespace,
+        with_config(template("dumped", GPU_CLASS, on_gpu(2, node, GPU_CLASS)), "GpuConfig"),
+        pod("dumped", "dumped"),
+    )
+    running = wait_running(rest, namespace, "dumped")  # full GPUs carry no binding conditions
+    claim = pod_claim(rest, running, "gpu")
+    assert allocated_devices(claim) == ["gpu-2"]
+
+    (warning,) = wait_until(
+        lambda: driver_warnings(node, since, "claim status not written, and never will be") or None,
+        timeout_seconds=30,
+        waiting_for="the driver's warning about the claim's status",
+    )
+    assert "kubectl" in warning
+    assert claim["metadata"]["name"] in warning
+    assert our_conditions(pod_claim(rest, running, "gpu")) == {}  # no Healthy entry: refused
+    delete_pod(rest, namespace, "dumped")
+    assert len(driver_warnings(node, since, "claim status not written")) == 1  # once, not at each retry
+
+
+def test_a_mig_claim_whose_config_was_sent_as_json_dumps_writes_it_waits_in_binding_and_the_driver_says_why(
+    rest: RestClient, binding_node: GpuNode, namespace: str
+) -> None:
+    node = binding_node
+    since = node.driver.daemon.log_size()
+    create_as_json_dumps(
+        rest,
+        node,
+        namespace,
+        with_config(
+            template("dumped-mig", MIG_CLASS, on_gpu(3, node), profile_is("1g.10gb")), "MigDeviceConfig"
+        ),
+        pod("dumped-mig", "dumped-mig"),
+    )
+    (warning,) = wait_until(
+        lambda: driver_warnings(node, since, "binding conditions not written") or None,
+        timeout_seconds=60,
+        waiting_for="the driver's warning about the claim's binding conditions",
+    )
+    assert "kubectl" in warning
+    assert len(live_mig_devices(node, 3)) == 1  # made ahead; only the Ready condition cannot be written
+    time.sleep(SCHEDULER_POLL_S + 1)
+    waiting = rest.get(pod_path(namespace, "dumped-mig"))
+    assert not waiting["spec"].get("nodeName")  # and stays so until the scheduler's bindingTimeout
+    assert "Ready" not in our_conditions(pod_claim(rest, waiting, "gpu"))
+
+    rest.delete(pod_path(namespace, "dumped-mig"))  # unbound: gone at once, its claim with it
+    wait_until(
+        lambda: live_mig_devices(node, 3) == [],
+        timeout_seconds=60,
+        waiting_for="the MIG device made ahead to go",
     )
