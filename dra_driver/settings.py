@@ -227,11 +227,12 @@ class Settings(BaseModel):
             description="Publish MIG placements (created at prepare) with binding conditions (KEP-5007): "
             "the scheduler binds a pod only once the plugin has created its MIG device and reported it "
             "Ready in the claim's status, and schedules it again if that fails (docs/binding-conditions.md). "
-            "off (default: Kubernetes 1.36 and 1.37 refuse every status write to some claims, whose pods "
-            "would then wait out the scheduler's timeout); auto: on where the API server is 1.36 or newer "
-            "(the gate DRADeviceBindingConditions is on by default there); on."
+            "auto (default): on where the API server is 1.36 or newer (the gate DRADeviceBindingConditions "
+            "is on by default there); on; off: never (the right value where MIG claims with a config are "
+            "created by a client other than kubectl, Helm or server-side apply: Kubernetes refuses the "
+            "status of such claims, and their pods would wait out the scheduler's bindingTimeout)."
         ),
-    ] = BindingConditions.OFF
+    ] = BindingConditions.AUTO
     consumable_capacity: Annotated[
         bool,
         Field(

@@ -53,7 +53,6 @@ def binding_node(
         tmp_path_factory.mktemp("node-binding"),
         "node-binding",
         profile=PROFILE,
-        driver_args=["--binding-conditions=auto"],  # off by default (docs/binding-conditions.md)
     )
     with node.running():
         yield node

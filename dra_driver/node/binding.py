@@ -34,8 +34,10 @@ chart's admission policy). Which claims carry binding conditions is read from th
 another kind of device (a ComputeDomain channel waiting for its IMEX daemon) can use this watcher
 by publishing its own binding conditions and preparing through the same ``prepare_ahead``.
 
-Off by default (``--binding-conditions``): Kubernetes 1.36 and 1.37 refuse every status write to
-some claims (docs/binding-conditions.md), whose pods would then wait out the scheduler's timeout.
+On where the API server is 1.36 or newer (``--binding-conditions=auto``, the default). Kubernetes
+refuses every status write of a claim whose opaque config was not sent as kubectl sends it
+(docs/binding-conditions.md); the pod of such a claim waits out the scheduler's timeout, and the
+warning says why (:func:`dra_driver.node.claim_status.refusal_reason`).
 """
 
 from __future__ import annotations
