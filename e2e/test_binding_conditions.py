@@ -23,7 +23,7 @@ import pytest
 from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.resources.server_rules import rules_for
 from e2e import manifests
-from e2e.claims import GPU_CLASS
+from e2e.claims import GPU_CLASS, claim_for_gpu, gpu_uuid, pod_using
 from e2e.cluster import ClusterInfo, JsonObject, RestClient
 from e2e.daemon import wait_until
 from e2e.driver import DRIVER_NAME
@@ -269,3 +269,116 @@ def test_a_mig_claim_whose_config_was_sent_as_json_dumps_writes_it_waits_in_bind
         timeout_seconds=60,
         waiting_for="the MIG device made ahead to go",
     )
+
+
+# --- a GPU share (consumable capacity) waits for its GPU's MPS control daemon ----------------------------
+
+SHARE_PROFILE = "dgx-h100"
+
+
+@pytest.fixture(scope="module")
+def share_node(
+    cluster: ClusterInfo,
+    kubelet_harness_binary: Path,
+    gpu_device_class: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[GpuNode]:
+    """A simulated DGX H100 whose full GPUs are shareable: each share is an MPS client."""
+    if not rules_for(cluster.kube_version).binding_conditions:
+        pytest.skip(f"binding conditions are off by default on {cluster.kube_version} (beta from 1.36)")
+    node = GpuNode(
+        cluster,
+        kubelet_harness_binary,
+        tmp_path_factory.mktemp("node-binding-share"),
+        "node-binding-share",
+        profile=SHARE_PROFILE,
+        driver_args=["--consumable-capacity"],
+    )
+    with node.running():
+        yield node
+
+
+def mps_held(node: GpuNode, minor: int, held: bool) -> None:
+    """An MPS control daemon on the GPU is slow to start (held) until released."""
+    SimulatedBackend(SHARE_PROFILE, node.name, node.driver.paths.data).set_mps_held(minor, held)
+
+
+def share_claim(name: str, uuid: str) -> JsonObject:
+    claim = claim_for_gpu(name, uuid)
+    claim["spec"]["devices"]["requests"][0]["exactly"]["capacity"] = {"requests": {"memory": "10Gi"}}
+    return claim
+
+
+def test_a_gpu_share_waits_in_binding_until_its_mps_daemon_runs_then_runs(
+    rest: RestClient, share_node: GpuNode, namespace: str
+) -> None:
+    node = share_node
+    since = node.driver.daemon.log_size()
+    mps_held(node, 0, True)
+    try:
+        objects = [share_claim("share", gpu_uuid(node, 0)), pod_using("share", "share")]
+        manifests.apply(rest, manifests.pinned(objects, node.name), namespace)
+        claim = rest.wait_for(
+            manifests.collection("ResourceClaim", namespace),
+            "share",
+            lambda c: bool((c.get("status") or {}).get("allocation")),
+        )
+        (result,) = claim["status"]["allocation"]["devices"]["results"]
+        assert result["device"] == "gpu-0"
+        assert result["shareID"]
+        assert result["bindingConditions"] == ["Ready"]
+        assert result["bindingFailureConditions"] == ["PrepareFailed"]
+
+        # The daemon is starting and not ready: through two scheduler polls the pod stays unbound.
+        time.sleep(2 * SCHEDULER_POLL_S + 1)
+        waiting = rest.get(pod_path(namespace, "share"))
+        assert not waiting["spec"].get("nodeName"), "bound before its MPS daemon ran"
+        assert "Ready" not in our_conditions(pod_claim(rest, waiting, "gpu"))
+        assert "BindingConditionsPending" in {
+            event["reason"] for event in events_of(rest, namespace, "share")
+        }
+        assert driver_warnings(node, since, "preparing ahead of the pod's binding")
+    finally:
+        mps_held(node, 0, False)  # the daemon is up
+
+    running = wait_running(rest, namespace, "share")
+    assert running["spec"]["nodeName"] == node.name
+    claim = pod_claim(rest, running, "gpu")
+    assert our_conditions(claim)["Ready"]["status"] == "True"
+    (entry,) = [e for e in claim["status"]["devices"] if e["driver"] == DRIVER_NAME]
+    assert entry["shareID"] == result["shareID"]
+    # The kubelet's prepare found the share prepared ahead: it did not start a daemon of its own.
+    log = node.driver.daemon.log_since(since)
+    assert "the kubelet takes it over" in log
+    delete_pod(rest, namespace, "share")
+
+
+def test_a_gpu_share_whose_mps_daemon_fails_goes_back_to_the_scheduler_with_the_reason(
+    rest: RestClient, share_node: GpuNode, namespace: str
+) -> None:
+    node = share_node
+    backend = SimulatedBackend(SHARE_PROFILE, node.name, node.driver.paths.data)
+    backend.set_mps_broken(1, True)
+    try:
+        objects = [share_claim("broken", gpu_uuid(node, 1)), pod_using("broken", "broken")]
+        manifests.apply(rest, manifests.pinned(objects, node.name), namespace)
+
+        def failure_reported() -> str | None:
+            for event in events_of(rest, namespace, "broken"):
+                if "simulated fault" in (event.get("message") or ""):
+                    return str(event["message"])
+            return None
+
+        message = wait_until(failure_reported, timeout_seconds=90, waiting_for="the binding failure's event")
+        assert "reason=PrepareFailed" in message
+        assert "MPS" in message
+        assert not rest.get(pod_path(namespace, "broken"))["spec"].get("nodeName")
+    finally:
+        backend.set_mps_broken(1, False)
+
+    running = wait_running(rest, namespace, "broken")
+    assert running["spec"]["nodeName"] == node.name
+    claim = pod_claim(rest, running, "gpu")
+    assert our_conditions(claim)["Ready"]["status"] == "True"
+    assert "PrepareFailed" not in our_conditions(claim)
+    delete_pod(rest, namespace, "broken")

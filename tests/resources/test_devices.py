@@ -336,6 +336,17 @@ def test_a_full_gpu_never_waits_for_binding() -> None:
     assert "bindingConditions" not in devices["gpu-0"]
 
 
+def test_a_shareable_gpu_waits_for_its_mps_daemon_only_with_binding_conditions_on() -> None:
+    shared = by_name(
+        only(build_devices(inventory(h100(0)), consumable=True, binding_conditions=True)).devices
+    )
+    assert shared["gpu-0"]["allowMultipleAllocations"] is True
+    assert shared["gpu-0"]["bindingConditions"] == ["Ready"]
+    assert shared["gpu-0"]["bindingFailureConditions"] == ["PrepareFailed"]
+    unshared = by_name(only(build_devices(inventory(h100(0)), consumable=True)).devices)
+    assert "bindingConditions" not in unshared["gpu-0"]
+
+
 # --- static MIG ---------------------------------------------------------------------------------
 
 
