@@ -224,9 +224,10 @@ class Settings(BaseModel):
     binding_conditions: Annotated[
         BindingConditions,
         Field(
-            description="Publish MIG placements (created at prepare) with binding conditions (KEP-5007): "
-            "the scheduler binds a pod only once the plugin has created its MIG device and reported it "
-            "Ready in the claim's status, and schedules it again if that fails (docs/binding-conditions.md). "
+            description="Publish MIG placements (created at prepare) and shareable GPUs (consumable "
+            "capacity) with binding conditions (KEP-5007): the scheduler binds a pod only once the plugin "
+            "has created its MIG device or started the GPU's MPS daemon and reported it Ready in the "
+            "claim's status, and schedules it again if that fails (docs/binding-conditions.md). "
             "auto (default): on where the API server is 1.36 or newer (the gate DRADeviceBindingConditions "
             "is on by default there); on; off: never (the right value where MIG claims with a config are "
             "created by a client other than kubectl, Helm or server-side apply: Kubernetes refuses the "

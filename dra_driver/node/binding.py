@@ -1,4 +1,5 @@
-"""Binding conditions (KEP-5007): the node makes a claim's MIG devices before the scheduler binds its pod.
+"""Binding conditions (KEP-5007): the node makes a claim's MIG devices, or starts the MPS daemon of its
+GPU shares, before the scheduler binds its pod.
 
 Without them, the scheduler binds a pod as soon as it allocated a MIG placement, and the MIG
 device is created only when the kubelet prepares the claim: a creation that fails then (the
@@ -32,7 +33,9 @@ writes, are not touched, nor these by it. The write is the same one the plugin a
 the devices of its own pool of a claim allocated to its node (RBAC ``associated-node:patch``, the
 chart's admission policy). Which claims carry binding conditions is read from the claim alone, so
 another kind of device (a ComputeDomain channel waiting for its IMEX daemon) can use this watcher
-by publishing its own binding conditions and preparing through the same ``prepare_ahead``.
+by publishing its own binding conditions and preparing through the same ``prepare_ahead``; a
+shareable GPU (consumable capacity) does so: its share's prepare starts the GPU's MPS control
+daemon and waits until it serves clients.
 
 On where the API server is 1.36 or newer (``--binding-conditions=auto``, the default). Kubernetes
 refuses every status write of a claim whose opaque config was not sent as kubectl sends it
