@@ -292,7 +292,7 @@ def share_node(
         tmp_path_factory.mktemp("node-binding-share"),
         "node-binding-share",
         profile=SHARE_PROFILE,
-        driver_args=["--consumable-capacity"],
+        driver_args=["--consumable-capacity", "--share-binding-conditions"],
     )
     with node.running():
         yield node

@@ -34,8 +34,8 @@ the devices of its own pool of a claim allocated to its node (RBAC ``associated-
 chart's admission policy). Which claims carry binding conditions is read from the claim alone, so
 another kind of device (a ComputeDomain channel waiting for its IMEX daemon) can use this watcher
 by publishing its own binding conditions and preparing through the same ``prepare_ahead``; a
-shareable GPU (consumable capacity) does so: its share's prepare starts the GPU's MPS control
-daemon and waits until it serves clients.
+shareable GPU (consumable capacity, with ``--share-binding-conditions``) does so: its share's
+prepare starts the GPU's MPS control daemon and waits until it serves clients.
 
 On where the API server is 1.36 or newer (``--binding-conditions=auto``, the default). Kubernetes
 refuses every status write of a claim whose opaque config was not sent as kubectl sends it

@@ -27,10 +27,10 @@ so an allocated device keeps its name and its counter accounting.
 
 With binding conditions on (KEP-5007, :mod:`dra_driver.node.binding`), each placement to create
 says so: ``bindingConditions: [Ready]`` and ``bindingFailureConditions: [PrepareFailed]``, so that
-the scheduler binds a pod only once its MIG device exists; so does a shareable full GPU (consumable
-capacity), whose shares are MPS clients: a pod is bound only once the GPU's MPS control daemon
-runs. Other full GPUs and existing MIG devices need no preparation that can fail after allocation
-and get none: the scheduler prefers them.
+the scheduler binds a pod only once its MIG device exists; with share binding conditions on too,
+so does a shareable full GPU (consumable capacity), whose shares are MPS clients: a pod is bound
+only once the GPU's MPS control daemon runs. Other full GPUs and existing MIG devices need no
+preparation that can fail after allocation and get none: the scheduler prefers them.
 
 Attribute names are NVIDIA's (unqualified, i.e. in the driver's domain), so CEL written for
 NVIDIA's driver works when this one is deployed under that driver name.
@@ -160,6 +160,7 @@ def build_devices(
     consumable: bool = False,
     passthrough: Mapping[str, PassthroughGpu] | None = None,
     binding_conditions: bool = False,
+    share_binding_conditions: bool = False,
 ) -> list[GpuDevices]:
     """The devices of every GPU in ``inventory``, ordered by minor number.
 
@@ -171,8 +172,8 @@ def build_devices(
     ``consumable`` makes every full GPU shareable (see :func:`shareable`). ``passthrough`` maps
     the PCI address of each GPU that can be passed through to its passthrough details; those
     GPUs get a passthrough device (see :func:`passthrough_device`) while their MIG mode is off.
-    ``binding_conditions`` gives every placement to create, and every shareable GPU, the binding
-    conditions of the module doc.
+    ``binding_conditions`` gives every placement to create the binding conditions of the module doc,
+    ``share_binding_conditions`` every shareable GPU.
     """
     result: list[GpuDevices] = []
     islands = nvlink_islands(inventory.gpus)
@@ -191,7 +192,7 @@ def build_devices(
         if consumable:
             gpu_devices = GpuDevices(
                 devices=tuple(
-                    shareable(gpu, device, binding_conditions)
+                    shareable(gpu, device, share_binding_conditions)
                     if device["name"] == gpu_device_name(gpu.minor)
                     else device
                     for device in gpu_devices.devices
