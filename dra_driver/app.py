@@ -144,6 +144,8 @@ def desired_slices(
             consumable=settings.consumable_capacity,
             passthrough=passthrough,
             binding_conditions=binding_conditions_on(settings, rules),
+            share_binding_conditions=binding_conditions_on(settings, rules)
+            and settings.share_binding_conditions,
         ),
         counters_beside_devices=rules.counters_beside_devices,
     )

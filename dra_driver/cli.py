@@ -69,6 +69,7 @@ _INVENTORY_SETTINGS = [
     "passthrough",
     "sysfs_root",
     "binding_conditions",
+    "share_binding_conditions",
     "log_format",
     "log_level",
 ]

@@ -223,11 +223,22 @@ class Settings(BaseModel):
             description="Publish MIG placements (created at prepare) with binding conditions (KEP-5007): "
             "the scheduler binds a pod only once the plugin has created its MIG device and reported it "
             "Ready in the claim's status, and schedules it again if that fails (docs/binding-conditions.md). "
-            "off (default: Kubernetes 1.36 and 1.37 refuse every status write to some claims, whose pods "
-            "would then wait out the scheduler's timeout); auto: on where the API server is 1.36 or newer "
-            "(the gate DRADeviceBindingConditions is on by default there); on."
+            "auto (default): on where the API server is 1.36 or newer (the gate DRADeviceBindingConditions "
+            "is on by default there); on; off: never (the right value where MIG claims with a config are "
+            "created by a client other than kubectl, Helm or server-side apply: Kubernetes refuses the "
+            "status of such claims, and their pods would wait out the scheduler's bindingTimeout)."
         ),
-    ] = BindingConditions.OFF
+    ] = BindingConditions.AUTO
+    share_binding_conditions: Annotated[
+        bool,
+        Field(
+            description="With binding conditions and consumable capacity on, publish shareable GPUs with "
+            "them too: a share's pod is bound only once the GPU's MPS control daemon runs "
+            "(docs/binding-conditions.md). Off by default: Kubernetes 1.37's scheduler counts the capacity "
+            "of a share that waits for its binding twice, so shares allocated together pack at half "
+            "density and a pod refused meanwhile waits minutes for its retry."
+        ),
+    ] = False
     consumable_capacity: Annotated[
         bool,
         Field(

@@ -23,6 +23,7 @@ _KINDS: dict[str, tuple[str, str, bool]] = {
     "DeviceClass": ("/apis/resource.k8s.io/v1", "deviceclasses", False),
     "ResourceClaim": ("/apis/resource.k8s.io/v1", "resourceclaims", True),
     "ResourceClaimTemplate": ("/apis/resource.k8s.io/v1", "resourceclaimtemplates", True),
+    "ResourceSlice": ("/apis/resource.k8s.io/v1", "resourceslices", False),
     "Pod": ("/api/v1", "pods", True),
     "ValidatingAdmissionPolicy": (
         "/apis/admissionregistration.k8s.io/v1",

@@ -230,7 +230,6 @@ def release(helm: list[str], cluster: ClusterInfo, host: Path) -> Iterator[Relea
         "logFormat": "console",
         "deviceClasses": {"gpu": {"extendedResourceName": EXTENDED_RESOURCE}, "migProfiles": ["1g.10gb"]},
         "nodeLabels": True,
-        "bindingConditions": "auto",  # MIG devices made before the binding, with the chart's permissions
     }
     run(
         [*helm, "install", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE, "--values", "-"],

@@ -46,6 +46,7 @@ class SimGpu(_Record):
     compute_mode: str = "Default"  # a ComputeMode value
     time_slice: str = "Default"  # a TimeSlice value
     mps_broken: bool = False  # an MPS server cannot start on this GPU (the `simulate mps` fault)
+    mps_held: bool = False  # an MPS server on this GPU is slow to start: not ready until this is cleared
     # How creating a MIG device goes (the `simulate mig-creation` fault): ok; held (the call waits
     # until it is ok or failing again: slow hardware); failing (the call fails).
     mig_creation: Literal["ok", "held", "failing"] = "ok"

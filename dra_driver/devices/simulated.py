@@ -339,6 +339,12 @@ class SimulatedBackend:
         with self._changing() as state:
             state.gpu(target.uuid).mps_broken = broken
 
+    def set_mps_held(self, gpu: str | int, held: bool) -> None:
+        """Make an MPS server on a GPU wait before it is ready (slow to start), or start at once again."""
+        target, _ = self._resolve(gpu)
+        with self._changing() as state:
+            state.gpu(target.uuid).mps_held = held
+
     def mps_broken(self, gpu_uuid: str) -> bool:
         """Whether an MPS server fails to start on the GPU (see :meth:`set_mps_broken`)."""
         sim = self._reading().gpus.get(gpu_uuid)

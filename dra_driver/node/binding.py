@@ -1,4 +1,5 @@
-"""Binding conditions (KEP-5007): the node makes a claim's MIG devices before the scheduler binds its pod.
+"""Binding conditions (KEP-5007): the node makes a claim's MIG devices, or starts the MPS daemon of its
+GPU shares, before the scheduler binds its pod.
 
 Without them, the scheduler binds a pod as soon as it allocated a MIG placement, and the MIG
 device is created only when the kubelet prepares the claim: a creation that fails then (the
@@ -32,10 +33,14 @@ writes, are not touched, nor these by it. The write is the same one the plugin a
 the devices of its own pool of a claim allocated to its node (RBAC ``associated-node:patch``, the
 chart's admission policy). Which claims carry binding conditions is read from the claim alone, so
 another kind of device (a ComputeDomain channel waiting for its IMEX daemon) can use this watcher
-by publishing its own binding conditions and preparing through the same ``prepare_ahead``.
+by publishing its own binding conditions and preparing through the same ``prepare_ahead``; a
+shareable GPU (consumable capacity, with ``--share-binding-conditions``) does so: its share's
+prepare starts the GPU's MPS control daemon and waits until it serves clients.
 
-Off by default (``--binding-conditions``): Kubernetes 1.36 and 1.37 refuse every status write to
-some claims (docs/binding-conditions.md), whose pods would then wait out the scheduler's timeout.
+On where the API server is 1.36 or newer (``--binding-conditions=auto``, the default). Kubernetes
+refuses every status write of a claim whose opaque config was not sent as kubectl sends it
+(docs/binding-conditions.md); the pod of such a claim waits out the scheduler's timeout, and the
+warning says why (:func:`dra_driver.node.claim_status.refusal_reason`).
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from dra_driver.node.claim_status import ClaimStatusApi, StatusWriteError
+from dra_driver.node.claim_status import ClaimStatusApi, StatusWriteError, refusal_reason
 from dra_driver.node.records import ClaimRecord
 from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice
 from dra_driver.resources.devices import FAILED_CONDITION, READY_CONDITION
@@ -283,7 +288,13 @@ class BindingWatcher:
                 await self._status.apply_status(ref, entries, self._field_manager)
             except StatusWriteError as error:
                 if error.status in _NOT_RETRIED or attempt == _WRITE_ATTEMPTS:
-                    log.warning("binding conditions not written", error=str(error), attempts=attempt)
+                    reason = refusal_reason(error)  # the pod waits out the scheduler's bindingTimeout
+                    log.warning(
+                        "binding conditions not written",
+                        error=str(error),
+                        attempts=attempt,
+                        **({"reason": reason} if reason else {}),
+                    )
                     return
                 delay = self._retry_initial * 2 ** (attempt - 1)
                 await asyncio.sleep(random.uniform(delay / 2, delay))  # a backoff, not a synchronisation

@@ -81,6 +81,26 @@ class StatusWriteError(Exception):
         self.status = status
 
 
+ALLOCATION_BYTES_REASON = (
+    "Kubernetes refuses every status write of this claim because its opaque config was created "
+    "as JSON other than kubectl sends (compact, keys sorted), e.g. by a Python client's json.dumps; "
+    "create the claim or its template with kubectl, Helm or server-side apply "
+    "(docs/binding-conditions.md)"
+)
+
+
+def refusal_reason(error: StatusWriteError) -> str | None:
+    """Why the API server will never take a status of this claim, when the refusal says so."""
+    text = str(error)
+    if (
+        error.status == 422
+        and "status.allocation" in text
+        and ("cannot be modified once set" in text or "field is immutable" in text)
+    ):
+        return ALLOCATION_BYTES_REASON
+    return None
+
+
 class ClaimStatusApi(Protocol):
     async def apply_status(self, ref: ClaimRef, devices: list[dict[str, Any]], field_manager: str) -> None:
         """Server-side apply ``status.devices`` of the claim; raises :class:`StatusWriteError`."""
@@ -182,6 +202,7 @@ class _Tracked:
     written: list[dict[str, Any]] | None = None  # the entries last applied
     transitions: dict[str, tuple[str, str]] | None = None  # device -> (condition status, since)
     attempts: int = 0
+    refused: bool = False  # the API server will never take a status of this claim (refusal_reason)
 
 
 class ClaimStatusWriter:
@@ -303,7 +324,7 @@ class ClaimStatusWriter:
 
     async def _write(self, tracked: _Tracked) -> None:
         entries = self._entries(tracked)
-        if entries == tracked.written:
+        if entries == tracked.written or tracked.refused:
             return
         bound = log.bind(claim_namespace=tracked.ref.namespace, claim_name=tracked.ref.name)
         try:
@@ -317,6 +338,10 @@ class ClaimStatusWriter:
 
     def _failed(self, tracked: _Tracked, error: StatusWriteError, bound: Any) -> None:
         tracked.attempts += 1
+        if (reason := refusal_reason(error)) is not None:
+            tracked.refused = True  # not tried again, not even when the health changes: logged once
+            bound.warning("claim status not written, and never will be", reason=reason, error=str(error))
+            return
         hint = (
             "grant the plugin patch on resourceclaims/status and associated-node:patch on "
             f"resourceclaims/driver (resourceNames: [{self._driver}]), with a token bound to its pod"

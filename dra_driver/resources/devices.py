@@ -27,8 +27,10 @@ so an allocated device keeps its name and its counter accounting.
 
 With binding conditions on (KEP-5007, :mod:`dra_driver.node.binding`), each placement to create
 says so: ``bindingConditions: [Ready]`` and ``bindingFailureConditions: [PrepareFailed]``, so that
-the scheduler binds a pod only once its MIG device exists. Full GPUs and existing MIG devices need
-no preparation that can fail after allocation and get none: the scheduler prefers them.
+the scheduler binds a pod only once its MIG device exists; with share binding conditions on too,
+so does a shareable full GPU (consumable capacity), whose shares are MPS clients: a pod is bound
+only once the GPU's MPS control daemon runs. Other full GPUs and existing MIG devices need no
+preparation that can fail after allocation and get none: the scheduler prefers them.
 
 Attribute names are NVIDIA's (unqualified, i.e. in the driver's domain), so CEL written for
 NVIDIA's driver works when this one is deployed under that driver name.
@@ -158,6 +160,7 @@ def build_devices(
     consumable: bool = False,
     passthrough: Mapping[str, PassthroughGpu] | None = None,
     binding_conditions: bool = False,
+    share_binding_conditions: bool = False,
 ) -> list[GpuDevices]:
     """The devices of every GPU in ``inventory``, ordered by minor number.
 
@@ -169,7 +172,8 @@ def build_devices(
     ``consumable`` makes every full GPU shareable (see :func:`shareable`). ``passthrough`` maps
     the PCI address of each GPU that can be passed through to its passthrough details; those
     GPUs get a passthrough device (see :func:`passthrough_device`) while their MIG mode is off.
-    ``binding_conditions`` gives every placement to create the binding conditions of the module doc.
+    ``binding_conditions`` gives every placement to create the binding conditions of the module doc,
+    ``share_binding_conditions`` every shareable GPU.
     """
     result: list[GpuDevices] = []
     islands = nvlink_islands(inventory.gpus)
@@ -188,7 +192,9 @@ def build_devices(
         if consumable:
             gpu_devices = GpuDevices(
                 devices=tuple(
-                    shareable(gpu, device) if device["name"] == gpu_device_name(gpu.minor) else device
+                    shareable(gpu, device, share_binding_conditions)
+                    if device["name"] == gpu_device_name(gpu.minor)
+                    else device
                     for device in gpu_devices.devices
                 ),
                 counter_set=gpu_devices.counter_set,
@@ -375,16 +381,23 @@ def _link_attributes(gpu: Gpu, island: str | None) -> dict[str, DeviceAttribute]
     return attributes
 
 
-def shareable(gpu: Gpu, device: Device) -> Device:
-    """The full GPU ``device`` with consumable memory and SMs; unchanged if ``gpu`` is too small."""
+def shareable(gpu: Gpu, device: Device, binding_conditions: bool = False) -> Device:
+    """The full GPU ``device`` with consumable memory and SMs; unchanged if ``gpu`` is too small.
+
+    With ``binding_conditions``, a share waits for its GPU's MPS control daemon, which the node
+    starts ahead of the binding (the module doc)."""
     policy = share_policy(gpu)
     if policy is None:
         return device
-    return {
+    shared: Device = {
         **device,
         "capacity": consumable_capacity(policy, device["capacity"]),
         "allowMultipleAllocations": True,
     }
+    if binding_conditions:
+        shared["bindingConditions"] = [READY_CONDITION]
+        shared["bindingFailureConditions"] = [FAILED_CONDITION]
+    return shared
 
 
 MAINTENANCE_TYPE = "maintenance"

@@ -3,6 +3,12 @@
 The generated `kubernetes` client silently drops fields its models do not know and reshapes error
 bodies; a test that checks what the API server keeps of an object, or how it words a rejection, needs
 the server's own JSON. Waiting is a watch, not a polling loop.
+
+Bodies go as kubectl sends them (:func:`kubectl_json`), not as `json.dumps` writes them: the API
+server keeps the bytes of an opaque config (`spec.devices.config[].opaque.parameters`) as sent, and
+Kubernetes 1.34 to 1.37 refuse every later status write of a claim allocated with bytes that are not
+Go's own encoding (docs/binding-conditions.md). Tests see what kubectl users see;
+e2e/test_claim_status.py sends other bytes on purpose.
 """
 
 from __future__ import annotations
@@ -18,6 +24,29 @@ from pathlib import Path
 from typing import Any
 
 JsonObject = dict[str, Any]
+# Characters Go's encoding/json writes escaped in strings (HTML-safe escaping, and the two line
+# separators JavaScript does not allow in a string); Python's json writes them as they are.
+_GO_ESCAPED = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
+def kubectl_json(body: object) -> bytes:
+    """`body` encoded as kubectl (and Helm) send it: kubectl reads YAML or JSON into a map and
+    encodes it with Go's encoding/json -- compact, map keys sorted, non-ASCII as UTF-8, `<>&`
+    escaped, and a float with no fraction written as an integer (`1.0` -> `1`)."""
+    text = json.dumps(_go_numbers(body), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    for character, escaped in _GO_ESCAPED.items():  # outside strings JSON has none of them
+        text = text.replace(character, escaped)
+    return text.encode()
+
+
+def _go_numbers(value: object) -> object:
+    if isinstance(value, dict):
+        return {key: _go_numbers(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_go_numbers(item) for item in value]
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e21:  # Go: 'f' format below 1e21
+        return int(value)
+    return value
 
 
 class ApiError(Exception):
@@ -124,7 +153,7 @@ class RestClient:
         url = self._server + path + (f"?{urllib.parse.urlencode(query)}" if query else "")
         request = urllib.request.Request(
             url,
-            data=None if body is None else body if isinstance(body, bytes) else json.dumps(body).encode(),
+            data=None if body is None else body if isinstance(body, bytes) else kubectl_json(body),
             method=method,
             headers={
                 "Authorization": f"Bearer {self._token}",

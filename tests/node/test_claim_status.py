@@ -10,9 +10,13 @@ import asyncio
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pytest
+import structlog
+
 from dra_driver.devices.faults import Fault, FaultKind, NodeFaults
 from dra_driver.devices.types import Inventory
 from dra_driver.node.claim_status import (
+    ALLOCATION_BYTES_REASON,
     ClaimStatusWriter,
     DeviceHardware,
     StatusWriteError,
@@ -194,6 +198,60 @@ async def test_failed_writes_are_retried_and_a_vanished_claim_is_given_up(node: 
         _, devices = await api.next_write()
     assert not api.failures
     assert devices[0]["device"] == "gpu-2"
+
+
+# How Kubernetes 1.37 and 1.36 refuse a status write of a claim allocated with an opaque config in
+# bytes other than Go's own JSON (e2e/test_claim_status.py shows it on the real API server).
+ALLOCATION_REFUSALS = [
+    'ResourceClaim.resource.k8s.io "a" is invalid: status.allocation: Invalid value: null: '
+    "field cannot be modified once set",
+    'ResourceClaim.resource.k8s.io "a" is invalid: status.allocation: Invalid value: '
+    '{"Devices":{"Results":[]}}: field is immutable',
+]
+
+
+@pytest.mark.parametrize("message", ALLOCATION_REFUSALS, ids=["1.37", "1.36"])
+async def test_a_claim_whose_allocation_the_server_calls_changed_is_tried_once_and_logged_with_why(
+    node: Node, message: str
+) -> None:
+    api, health, clock = RecordingApi(), Health(), Clock()
+    writer = make_writer(node, api, health, clock)
+    preparer = await node.started(on_prepared=writer.prepared)
+    ref = new_ref("a")
+    node.allocate(ref, "gpu-1")
+    api.failures = [StatusWriteError(422, f"apply status of ResourceClaim default/a: HTTP 422: {message}")]
+    with structlog.testing.capture_logs() as logs:
+        async with running(writer.run):
+            await preparer.prepare([ref])
+            await asyncio.wait_for(api.refused.wait(), GUARD_S)
+            clock.now = T0 + timedelta(minutes=5)
+            gpu_1 = node.backend.inventory().gpus[1]
+            health.faults = {gpu_1.uuid: (Fault(FaultKind.XID, since=int(clock.now.timestamp()), xid=48),)}
+            writer.health_changed()  # another occasion to write: not taken, the server never will
+            await asyncio.sleep(0.1)
+    assert api.applied == []
+    (warning,) = [entry for entry in logs if entry["log_level"] == "warning"]
+    assert warning["event"] == "claim status not written, and never will be"
+    assert warning["reason"] == ALLOCATION_BYTES_REASON
+    assert "kubectl" in warning["reason"]
+
+
+async def test_other_refusals_of_the_content_are_not_given_that_reason(node: Node) -> None:
+    api, health, clock = RecordingApi(), Health(), Clock()
+    writer = make_writer(node, api, health, clock)
+    preparer = await node.started(on_prepared=writer.prepared)
+    ref = new_ref("a")
+    node.allocate(ref, "gpu-1")
+    api.failures = [StatusWriteError(422, "HTTP 422: metadata.uid: Invalid value: precondition failed")]
+    with structlog.testing.capture_logs() as logs:
+        async with running(writer.run):
+            await preparer.prepare([ref])
+            await asyncio.wait_for(api.refused.wait(), GUARD_S)
+            writer.health_changed()  # the uid may be right at the next occasion: written then
+            await api.next_write()
+    (warning,) = [entry for entry in logs if entry["log_level"] == "warning"]
+    assert warning["event"] == "claim status not written; giving up"
+    assert "reason" not in warning
 
 
 async def test_a_write_never_delays_or_fails_the_prepare(node: Node) -> None:

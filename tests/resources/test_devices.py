@@ -336,6 +336,18 @@ def test_a_full_gpu_never_waits_for_binding() -> None:
     assert "bindingConditions" not in devices["gpu-0"]
 
 
+def test_a_shareable_gpu_waits_for_its_mps_daemon_only_with_share_binding_conditions_on() -> None:
+    def gpu_0(**switches: bool) -> Device:
+        return by_name(only(build_devices(inventory(h100(0)), consumable=True, **switches)).devices)["gpu-0"]
+
+    shared = gpu_0(binding_conditions=True, share_binding_conditions=True)
+    assert shared["allowMultipleAllocations"] is True
+    assert shared["bindingConditions"] == ["Ready"]
+    assert shared["bindingFailureConditions"] == ["PrepareFailed"]
+    assert "bindingConditions" not in gpu_0(binding_conditions=True)  # MIG placements only: the default
+    assert "bindingConditions" not in gpu_0()
+
+
 # --- static MIG ---------------------------------------------------------------------------------
 
 

@@ -8,7 +8,8 @@ What it does, in the order the real daemon and NVIDIA's daemon pod do it:
    any mode), and a GPU marked broken (``SimulatedBackend.set_mps_broken``) makes it fail -- it
    logs why and exits 1, as the real server does when it cannot create its context;
 3. creates its control pipe ``<root>/pipe/control`` (a FIFO, like the real one), applies and logs
-   its ``--control`` commands (the default client limits), then writes ``startup.log``: ready;
+   its ``--control`` commands (the default client limits), then writes ``startup.log``: ready --
+   after a wait while a GPU it serves is marked slow (``SimulatedBackend.set_mps_held``);
 4. runs until SIGTERM, then removes its pipe and exits 0.
 
 Nothing here shares a GPU: there is none. What is real is everything the plugin and the workload
@@ -51,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         os.mkfifo(pipe, 0o600)
     for command in args.control:
         say(f"control: {command}")
+    if args.gpu_state and held(devices, args.gpu_state):
+        say("starting slowly (simulated): waiting until the GPU is no longer held")
+        while held(devices, args.gpu_state):
+            if stop.wait(0.2):
+                return 0
     (args.root / "log" / READY_FILE).write_text("startup complete\n")
     say("startup complete")
     while not stop.wait(3600):
@@ -58,6 +64,21 @@ def main(argv: list[str] | None = None) -> int:
     pipe.unlink(missing_ok=True)
     say("exiting on SIGTERM")
     return 0
+
+
+def _gpus(state_file: Path) -> dict[str, Any]:
+    try:
+        gpus: dict[str, Any] = json.loads(state_file.read_text()).get("gpus", {})
+    except (OSError, ValueError):
+        return {}  # unreadable: check_devices reports that; nothing is held
+    return gpus
+
+
+def held(devices: list[str], state_file: Path) -> bool:
+    """Whether a GPU of ``devices`` (or a MIG device's parent) is marked slow to start MPS."""
+    gpus = _gpus(state_file)
+    parents = {mig["uuid"]: uuid for uuid, gpu in gpus.items() for mig in gpu.get("migDevices", [])}
+    return any(gpus.get(parents.get(device, device), {}).get("mpsHeld") for device in devices)
 
 
 def check_devices(devices: list[str], state_file: Path) -> str | None:
