@@ -261,9 +261,29 @@ class _Placement:
         return STATIC_MIG
 
 
-def plan_run(rng: random.Random, number: int) -> Plan:
+@dataclass(frozen=True)
+class Focus:
+    """What every run is drawn from: by default every kind and crash point (``make reliability``);
+    narrower to hammer one (``python -m e2e.reliability --only kill9 --kinds passthrough``)."""
+
+    kinds: tuple[str, ...] = KINDS  # run ``n``'s first claim is of kind ``kinds[n % len(kinds)]``
+    points: tuple[str, ...] = POINTS  # the crash points a run may arm (those its claims reach)
+
+    def __post_init__(self) -> None:
+        if unknown := sorted(set(self.kinds) - set(KINDS)):
+            raise ValueError(f"unknown claim kinds {unknown}; known: {', '.join(KINDS)}")
+        if unknown := sorted(set(self.points) - set(POINTS)):
+            raise ValueError(f"unknown crash points {unknown}; known: {', '.join(POINTS)}")
+        if not (self.kinds and self.points):
+            raise ValueError("a run needs a claim kind and a crash point to draw from")
+
+
+EVERYTHING = Focus()
+
+
+def plan_run(rng: random.Random, number: int, focus: Focus = EVERYTHING) -> Plan:
     placement = _Placement(rng)
-    kinds = [KINDS[number % len(KINDS)]]
+    kinds = [focus.kinds[number % len(focus.kinds)]]
     kinds += rng.choices(list(_WEIGHTS), weights=list(_WEIGHTS.values()), k=rng.choice((0, 2)))
     if rng.random() < 0.4:  # a monitoring container beside the workload
         static_held = "mig-static" in kinds
@@ -281,8 +301,11 @@ def plan_run(rng: random.Random, number: int) -> Plan:
     if not second and (number % 7 == 5 or rng.random() < 0.15):
         store_loss = _STORE_LOSSES[number // 7 % 2] if number % 7 == 5 else rng.choice(_STORE_LOSSES)
     if rng.random() < 0.7 and not (store_loss and number % 7 == 5):
-        points = [p for p in POINTS if (migs or p not in _MIG_POINTS) and (vfios or p not in _VFIO_POINTS)]
-        point = rng.choice(points)
+        points = [
+            p for p in focus.points if (migs or p not in _MIG_POINTS) and (vfios or p not in _VFIO_POINTS)
+        ]
+        # A focus on points this pod's claims never reach (MIG or vfio) arms one they do.
+        point = rng.choice(points or [p for p in POINTS if p not in _MIG_POINTS | _VFIO_POINTS])
         if point.startswith("store."):
             # Per claim its record (one step, or Reserve + Progress per MIG device, MPS daemon or GPU
             # setting + Complete) and its Release; per MIG device its entry and its removal; the
@@ -305,7 +328,7 @@ def plan_run(rng: random.Random, number: int) -> Plan:
     return Plan(claims, crash_point, external, deleted, recovery_crash, second, store_loss)
 
 
-async def run(env: Env, runs: int, seed: int) -> Kill9Figures:
+async def run(env: Env, runs: int, seed: int, focus: Focus = EVERYTHING) -> Kill9Figures:
     rng = random.Random(seed)
     figures = Kill9Figures()
     node = env.node("rel-kill9")
@@ -314,7 +337,7 @@ async def run(env: Env, runs: int, seed: int) -> Kill9Figures:
     static = await asyncio.to_thread(_create_static_mig, node, plugin.paths)
     try:
         for number in range(runs):
-            plan = plan_run(rng, number)
+            plan = plan_run(rng, number, focus)
             await _one_run(
                 node, plugin, second if plan.second_instance else None, plan, figures, number, rng, static
             )

@@ -61,7 +61,9 @@ def missed_goals(figures: dict[str, Any]) -> list[str]:
     return missed
 
 
-def run(env: Env, size: Size, seed: int, only: tuple[str, ...] = SCENARIOS) -> dict[str, Any]:
+def run(
+    env: Env, size: Size, seed: int, only: tuple[str, ...] = SCENARIOS, focus: kill9.Focus = kill9.EVERYTHING
+) -> dict[str, Any]:
     figures: dict[str, Any] = {"seed": seed}
     seconds: dict[str, float] = {}
 
@@ -72,7 +74,7 @@ def run(env: Env, size: Size, seed: int, only: tuple[str, ...] = SCENARIOS) -> d
         figures.update(scenario())
         seconds[name] = round(time.monotonic() - started, 1)
 
-    timed("kill9", lambda: asyncio.run(kill9.run(env, size.kill9_runs, seed)).as_json())
+    timed("kill9", lambda: asyncio.run(kill9.run(env, size.kill9_runs, seed, focus)).as_json())
     timed("fuzz", lambda: _fuzz(env, size, seed))
     timed("outage", lambda: asyncio.run(outage.run(env, size.outage_rounds)).as_json())
     timed("diskfull", lambda: asyncio.run(diskfull.run(env, size.diskfull_rounds)).as_json())
