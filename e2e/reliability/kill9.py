@@ -43,10 +43,10 @@ unprepare has succeeded, that nothing is left: no spec, no record, no MIG device
 administrator's, no MPS daemon, every GPU's compute mode and time slice back (unless the store that
 said what to put back was lost), every GPU back on nvidia. A MIG device that the driver had
 created but no CDI spec named yet when the store was lost cannot be told from an administrator's:
-it stays, and is counted apart (``kill9.mig_kept_after_store_loss``). So does a GPU bound to
-vfio-pci by a prepare that died before it wrote the spec, when the store is then lost
-(``kill9.vfio_kept_after_store_loss``, docs/passthrough.md): nothing names it, so the driver
-leaves it to an administrator, and the claim's retried prepare is refused, not counted as failed.
+it stays, and is counted apart (``kill9.mig_kept_after_store_loss``). A GPU on vfio-pci that no
+spec names when the store is lost would be the same (``kill9.vfio_kept_after_store_loss``: the
+driver would leave it to an administrator, and the claim's retried prepare be refused, not counted
+as failed); but prepare writes the spec before the GPU leaves nvidia, so its goal is 0.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ class Kill9Figures:
     # passthrough claim's GPU not there
     wrong_bindings: int = 0
     leaked_vfio: int = 0  # GPUs still off nvidia after the unprepare
-    vfio_kept_after_store_loss: int = 0  # bound before the loss, named by no spec yet: as for MIG
+    vfio_kept_after_store_loss: int = 0  # bound before the loss, named by no spec: never (goal 0)
     killed_at: Counter[str] = field(default_factory=Counter)
     claims_by_kind: Counter[str] = field(default_factory=Counter)
     store_losses: Counter[str] = field(default_factory=Counter)  # "deleted" / "corrupted": applied

@@ -34,6 +34,7 @@ ZERO_GOALS = (
     "kill9.leaked_specs", "kill9.leaked_mig", "kill9.leaked_records", "kill9.lost_claims",
     "kill9.double_allocations", "kill9.failed_claims", "kill9.leaked_mps_daemons",
     "kill9.settings_not_restored", "kill9.static_mig_lost", "kill9.wrong_bindings", "kill9.leaked_vfio",
+    "kill9.vfio_kept_after_store_loss",
     "fuzz.crashes", "fuzz.escapes", "fuzz.internal_errors",
     "outage.gets_failed_unclearly", "outage.failed_without_api", "outage.retried_after_return_failed",
     "outage.daemon_restarts",
