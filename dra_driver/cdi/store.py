@@ -76,6 +76,23 @@ class SpecStore:
         finally:
             os.close(fd)
 
+    @contextlib.contextmanager
+    def held(self, claim_uid: str) -> Iterator[None]:
+        """The claim's spec held locked, as :meth:`write_held` holds a new one, while the block changes
+        what it names (an unprepare binding a GPU back): a plugin instance starting meanwhile leaves
+        that to this one (:meth:`held_by_a_writer`). A claim without a spec holds nothing."""
+        try:
+            fd = os.open(self.path_for(claim_uid), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            yield
+            return
+        try:
+            with contextlib.suppress(BlockingIOError):  # held already: by another live operation
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            yield
+        finally:
+            os.close(fd)
+
     def held_by_a_writer(self, claim_uid: str) -> bool:
         """Whether a live process holds the claim's spec locked (:meth:`write_held`).
 

@@ -263,6 +263,14 @@ class ClaimPlan:
             devices=tuple(replace(d, cdev=cdev) if d.result.device == device else d for d in self.devices),
         )
 
+    def before_binding(self) -> ClaimPlan:
+        """This plan before its GPUs are on vfio-pci, with a spec to name them (prepare writes it
+        first): an IOMMUFD device has its group's node until :meth:`with_cdev` names the cdev."""
+        return replace(
+            self,
+            devices=tuple(replace(d, cdev="") if d.iommufd and d.cdev is None else d for d in self.devices),
+        )
+
     @cached_property
     def cdi_spec(self) -> ValidSpec:
         """The claim's CDI spec; ValueError while a MIG device is still to be created or a GPU bound."""

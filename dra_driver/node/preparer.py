@@ -29,11 +29,16 @@ record is committed, so that a second instance starting meanwhile (a rolling upd
 does not take a live prepare for a crashed one.
 
 A passthrough claim (a GPU for a virtual machine) takes steps too: after PrepareStarted is
-committed (the GPU and its MIG placements reserved, the GPU recorded), each GPU is checked
-idle (no processes; no other function of its IOMMU group on a host driver) and moved to
-vfio-pci (:mod:`dra_driver.devices.pci`, which binds it back to nvidia when a step fails);
-its unprepare binds it back to nvidia before the spec and the record go. A later attempt
-that finds an earlier one's record binds that one's GPUs back first, then starts afresh.
+committed (the GPU and its MIG placements reserved, the GPU recorded), its CDI spec is written,
+and held locked until the record is complete; then each GPU is checked idle (no processes; no
+other function of its IOMMU group on a host driver) and moved to vfio-pci
+(:mod:`dra_driver.devices.pci`, which binds it back to nvidia when a step fails). So a GPU this
+driver moved off nvidia is always named by a spec, which rebuilds its claim after a lost store,
+and the next start gives back to nvidia a GPU whose prepare died before its record was complete
+(:func:`dra_driver.node.recovery.repair_passthrough`). Its unprepare, and the undo of a failed
+prepare, bind it back to nvidia before the spec and the record go. A later attempt that finds an
+earlier one's record binds that one's GPUs back first, then starts afresh; a repeated prepare of a
+completed claim whose GPU is not on vfio-pci (an unprepare died half-way) prepares it again.
 
 Unprepare stops the claim's MPS daemon and puts back each GPU's compute mode and time
 slice (unless another prepared claim still shares that GPU), then destroys the claim's
@@ -83,7 +88,7 @@ from dra_driver.cdi.metadata import MetadataFiles
 from dra_driver.cdi.spec import CommonEdits
 from dra_driver.cdi.store import SpecStore
 from dra_driver.devices.backend import Backend, DeviceError
-from dra_driver.devices.pci import PassthroughGpu, PciError
+from dra_driver.devices.pci import VFIO_PCI, PassthroughGpu, PciError
 from dra_driver.devices.types import Gpu, Inventory, MigDevice
 from dra_driver.node.claim_fetcher import ClaimFetcher, ClaimFetchError
 from dra_driver.node.claims import AllocatedClaim, ClaimRejected, allocated_claim, check_ref
@@ -100,7 +105,7 @@ from dra_driver.node.records import (
     SharingState,
     read_boot_id,
 )
-from dra_driver.node.recovery import Conflict, recover
+from dra_driver.node.recovery import Conflict, recover, repair_passthrough
 from dra_driver.node.sharing.applier import SharingApplier, SharingError
 from dra_driver.node.sharing.mps import MpsDaemonError, MpsDaemons
 from dra_driver.node.sharing.policy import NO_SHARING, SharingPlan, sharing_plan
@@ -203,6 +208,7 @@ class NodePreparer:
         self._store: Store | None = None  # opened by start()
         # Claims the start's recovery could not record (another claim held their device).
         self.recovery_conflicts: list[Conflict] = []
+        self._repaired_gpus = 0  # GPUs the start gave back to nvidia (recovery.repair_passthrough)
         self._locks = _ClaimLocks()
         self._partitioner = Partitioner(backend, self._state, on_inventory_changed)
         self._in_flight: set[asyncio.Task[Any]] = set()  # claim operations still running
@@ -213,8 +219,9 @@ class NodePreparer:
     async def start(self) -> None:
         """Open the store (repairing it after a reboot, damage or a crash); call once before serving."""
         self._store = await asyncio.to_thread(self._open)
-        if await asyncio.to_thread(self._partitioner.adopt_orphans):
-            await self._partitioner.changed()  # their slices are reserved, or free again
+        if await asyncio.to_thread(self._partitioner.adopt_orphans) or self._repaired_gpus:
+            # Their slices are reserved, or free again; GPUs back on nvidia are published again.
+            await self._partitioner.changed()
         await self._sharing.stop_leftover_daemons(self._fresh_state)
         log.info("prepared claims loaded", claims=self._store.count(), path=str(self._store.path))
 
@@ -223,6 +230,8 @@ class NodePreparer:
         if opened.earlier_boot and self._metadata is not None:
             self._metadata.remove_all()  # the claims of an earlier boot are prepared no more
         self.recovery_conflicts = recover(opened, self._specs, self._pool, self._live_mig_devices)
+        if not opened.earlier_boot:  # after a reboot every GPU is on nvidia
+            self._repaired_gpus = repair_passthrough(opened.store, self._specs, self._backend.pci)
         return opened.store
 
     def remember_orphans(self) -> None:
@@ -375,7 +384,11 @@ class NodePreparer:
                         f"uid {ref.uid} is prepared for claim {existing.namespace}/{existing.name}, "
                         f"not {ref.namespace}/{ref.name}"
                     )
-                if self._specs.path_for(ref.uid).exists():
+                if not self._passed_through(existing):
+                    # An unprepare gave the GPU back to nvidia and died before its spec and record
+                    # went: not prepared any more, whatever the record says.
+                    log.warning("the GPU of a prepared passthrough claim is off vfio-pci; preparing it again")
+                elif self._specs.path_for(ref.uid).exists():
                     if existing.ahead_of_binding and not ahead:
                         # The pod is bound and the kubelet asks: from now on its unprepare undoes it.
                         store.commit(
@@ -385,7 +398,8 @@ class NodePreparer:
                         return _prepared_devices(existing)
                     log.info("claim already prepared")
                     return _prepared_devices(existing)
-                log.warning("CDI spec of a prepared claim is missing; preparing it again")
+                else:
+                    log.warning("CDI spec of a prepared claim is missing; preparing it again")
             elif existing is not None:
                 # Its MIG device is the claim's (created by an earlier attempt), not a static one.
                 adopted = await self._with_created_before_a_crash(existing)
@@ -579,7 +593,14 @@ class NodePreparer:
         # PCI addresses of the GPUs this attempt moves to vfio-pci, each listed before its move: a
         # move whose rollback failed too leaves its GPU unbound, and the undo tries nvidia again.
         bound: list[str] = []
+        # A passthrough claim's spec is written before its GPUs leave nvidia, and held locked until
+        # the record is complete: a GPU this driver moved off nvidia is always named by a spec, so
+        # that after a crash and a lost store the spec's claim still binds it back (recovery), and
+        # a plugin instance starting meanwhile leaves a live prepare's GPUs alone.
+        held = contextlib.ExitStack()
         try:
+            if plan.passthrough:
+                held.enter_context(self._specs.write_held(uid, plan.before_binding().cdi_spec))
             for device in plan.passthrough:
                 assert device.target.passthrough is not None
                 bound.append(device.target.passthrough.address)
@@ -599,7 +620,10 @@ class NodePreparer:
                 await self._partitioner.changed()
             plan = await self._sharing.apply(plan, sharing, record.sharing)
             self._write_metadata(plan)
-            self._specs.write(uid, plan.cdi_spec)
+            if plan.passthrough:  # complete now (an IOMMUFD cdev is named once the GPU is on vfio-pci)
+                held.enter_context(self._specs.write_held(uid, plan.cdi_spec))
+            else:
+                self._specs.write(uid, plan.cdi_spec)
             completed = record.model_copy(update={"phase": "PrepareCompleted"})
             self._state().commit(Complete(uid, completed))
         except MutationRejected:
@@ -614,6 +638,8 @@ class NodePreparer:
             await self._undo(uid, reserved.attempt, created, reserved.sharing, bound)
             self._remove_metadata(plan.claim.ref)
             raise
+        finally:
+            held.close()
         return completed
 
     async def _pass_through(self, device: PlannedDevice) -> str:
@@ -666,6 +692,11 @@ class NodePreparer:
         if addresses:
             await self._partitioner.changed()
 
+    def _passed_through(self, record: ClaimRecord) -> bool:
+        """Whether every GPU ``record`` passes through is on vfio-pci (true of a claim with none)."""
+        addresses = [p.pci_bus_id for p in _passthrough_of(record)]
+        return not addresses or all(self._backend.pci().driver(a) == VFIO_PCI for a in addresses)
+
     async def _bind_back(self, record: ClaimRecord) -> None:
         """The GPUs ``record`` passed through, back on nvidia (idempotent: a GPU there stays)."""
         await self._unbind([p.pci_bus_id for p in _passthrough_of(record)])
@@ -682,8 +713,10 @@ class NodePreparer:
             if sharing is not None:
                 await self._sharing.undo(uid, sharing, self._state().sharing())
             all_destroyed = await self._destroy_created(created)
+            # Back on nvidia before the spec goes (a GPU off nvidia is named by a spec); one that
+            # cannot go back keeps the spec and the record, for the next try.
+            await self._unbind(bound)
             self._specs.remove(uid)
-            await self._unbind(bound)  # a GPU that cannot go back keeps the record, for the next try
             if all_destroyed:
                 self._state().commit(Release(uid, attempt))
         except Exception as error:
@@ -718,7 +751,10 @@ class NodePreparer:
             if record is not None:
                 record = await self._with_created_before_a_crash(record)
                 await self._destroy_recorded(ref.uid, record)
-                await self._bind_back(record)  # raises while a GPU cannot go back: the kubelet retries
+                # Raises while a GPU cannot go back: the kubelet retries. The spec held meanwhile
+                # tells a plugin instance starting now that this GPU is in a live unprepare's hands.
+                with self._specs.held(ref.uid) if _passthrough_of(record) else contextlib.nullcontext():
+                    await self._bind_back(record)
             # The spec goes first: as long as it exists, so does the record (see recovery).
             self._specs.remove(ref.uid)
             self._remove_metadata(ref)

@@ -53,6 +53,10 @@ uuid is recorded as the claim's again, so its unprepare still destroys it.
 A passthrough device's spec names its GPU and PCI address
 (``DRA_GPU_PASSTHROUGH_<DEVICE>=gpu-0,0000:3b:00.0``): the rebuilt record holds the GPU and
 its MIG placements as the prepare did, and the claim's unprepare binds the GPU back to nvidia.
+Prepare writes that spec before the GPU leaves nvidia, so a lost store forgets no GPU the driver
+moved. Then :func:`repair_passthrough` gives back to nvidia each GPU that no prepared claim has
+on vfio-pci: what a prepare that died between the move and its completed record leaves, or an
+unprepare that died half-way through the move back.
 
 Temporary files that crashed writes left in the CDI directory are removed here too.
 
@@ -70,6 +74,7 @@ import structlog
 
 from dra_driver.cdi.spec import device_of_cdi_name, uuid_env_name
 from dra_driver.cdi.store import SpecStore
+from dra_driver.devices.pci import NVIDIA, VFIO_PCI, PciBus, PciError
 from dra_driver.devices.types import MigDevice
 from dra_driver.node.plan import admin_access_env, mig_created_env, passthrough_env_name
 from dra_driver.node.records import ClaimRecord, DeviceRecord, MigRecord, PassthroughRecord
@@ -303,3 +308,54 @@ def _at_placement(candidates: Sequence[MigDevice], mig: MigRecord) -> MigDevice 
         ),
         None,
     )
+
+
+def repair_passthrough(store: Store, specs: SpecStore, pci: Callable[[], PciBus]) -> int:
+    """Bind back to nvidia the GPUs that claims hold off it but are not prepared on; how many went.
+
+    A GPU on vfio-pci under a record in PrepareStarted (its prepare died after the move, before the
+    record was complete: no container was given it), or bound to no driver at all (a move died
+    half-way), serves nobody and is gone from NVML's view: back on nvidia it is published again,
+    while the record keeps it reserved for the kubelet's retry (which moves it again) or unprepare.
+    A GPU on vfio-pci whose claim is prepared, or rebuilt from its spec (the kubelet may have been
+    told), stays. One whose spec a live plugin instance holds (a rolling update: its prepare or
+    unprepare is under way) is left to that instance. A GPU no record names is an administrator's.
+    """
+    held = {
+        uid: [d.passthrough.pci_bus_id for d in record.devices if d.passthrough is not None]
+        for uid, record in store.snapshot().claims.items()
+    }
+    if not any(held.values()):
+        return 0  # the PCI bus is not read on a node that passes nothing through
+    bus = pci()
+    repaired = 0
+    for uid, addresses in held.items():
+        record = store.claim(uid)
+        if record is None or not addresses or specs.held_by_a_writer(uid):
+            continue
+        prepared = record.phase in ("PrepareCompleted", "Recovered")
+        for address in addresses:
+            driver = bus.driver(address)
+            if driver == NVIDIA or (driver == VFIO_PCI and prepared):
+                continue
+            try:
+                bus.bind_nvidia(address)
+            except PciError as error:
+                log.error(
+                    "a GPU no prepared claim uses could not be given back to nvidia",
+                    claim_uid=uid,
+                    pci_bus_id=address,
+                    error=str(error),
+                    what_to_do="the claim's unprepare tries again; or bind it by hand "
+                    f"(echo {address} > /sys/bus/pci/drivers/{NVIDIA}/bind)",
+                )
+                continue
+            repaired += 1
+            log.info(
+                "gave back to nvidia a GPU that a prepare or unprepare left off it",
+                claim_uid=uid,
+                pci_bus_id=address,
+                was_on=driver or "no driver",
+                phase=record.phase,
+            )
+    return repaired

@@ -14,6 +14,7 @@ import stat
 from pathlib import Path
 
 from dra_driver.devices.sim_nodes import NVIDIA_MAJOR, node_profile
+from dra_driver.devices.sim_sysfs import FIRST_GROUP, VFIO_GROUP_MAJOR, VFIO_MISC
 from dra_driver.devices.simulated import CONTROL_NODES, DRIVER_VERSION, NVIDIA_CAPS_MAJOR
 
 LIBRARY_DIR = "usr/lib/x86_64-linux-gnu"
@@ -51,6 +52,24 @@ def make_driver_root(root: Path, profile: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists():
             os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+
+
+def vfio_device_nodes(profile: str) -> list[tuple[str, int, int, int]]:
+    """The host's VFIO device nodes (path, major, minor, mode) for the GPUs of node profile ``profile``.
+
+    On a host with an IOMMU, binding a GPU to vfio-pci makes ``/dev/vfio/<group>`` (root, 0600),
+    with the numbers sysfs gives in ``class/vfio/<group>/dev``, beside ``/dev/vfio/vfio`` (0666);
+    a passthrough claim's CDI spec names the group's node by its path alone, so the runtime reads
+    the numbers from the host's node. These are the simulator's (:mod:`dra_driver.devices.sim_sysfs`:
+    group ``FIRST_GROUP + index`` per GPU), made for every GPU up front: what a container gets is
+    decided by the spec, which names only the groups of its claim's GPUs.
+    """
+    gpus = len(node_profile(profile).gpu_models)
+    groups = [
+        (f"/dev/vfio/{group}", VFIO_GROUP_MAJOR, group, 0o600)
+        for group in range(FIRST_GROUP, FIRST_GROUP + gpus)
+    ]
+    return [("/dev/vfio/vfio", *VFIO_MISC, 0o666), *groups]
 
 
 def make_nvml_driver_root(

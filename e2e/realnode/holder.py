@@ -9,7 +9,8 @@ Run as `unshare --mount --net --propagation private -- python -m e2e.realnode.ho
 2. binds the node's scratch directories over /var/lib, /var/log and /run -- containerd, the CNI
    plugins and the kubelet write to fixed paths there whatever their flags say -- and files holding
    the values the kubelet wants over three /proc/sys files, so its protectKernelDefaults check
-   passes without any host setting being written;
+   passes without any host setting being written; and gives /dev the device nodes of a GPU host
+   that this machine lacks (the VFIO nodes of passed-through GPUs) on an overlay of its own;
 3. becomes a child subreaper, so the shims containerd double-forks stay its children and are
    reaped (this machine's PID 1 reaps nobody);
 4. starts the programs of SPEC in order (containerd, image imports, the kubelet), each waiting for
@@ -29,6 +30,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -50,10 +52,45 @@ def _private_mounts(spec: dict[str, Any]) -> None:
         _mount("--bind", outside, inside)
     for inside, outside in spec["file_binds"]:
         _mount("--bind", outside, inside)
+    _private_dev(spec.get("device_nodes", []), Path(spec.get("dev_layer", "")))
     # Shared again, but among this namespace's mounts only: every peer group is new, so nothing
     # propagates to the host, while the kubelet's HostToContainer and Bidirectional volumes (the
     # chart's driver root) get the shared mounts they require.
     _mount("--make-rshared", "/")
+
+
+def _private_dev(nodes: list[tuple[str, int, int, int]], layer: Path) -> None:
+    """The host's /dev with ``nodes`` (path, major, minor, mode) added, for this namespace alone.
+
+    A GPU host has device nodes this machine lacks: ``/dev/vfio/<group>`` of a GPU on vfio-pci and
+    ``/dev/vfio/vfio`` (no IOMMU here, and no module may be loaded), which a container runtime
+    reads when a CDI spec names a node by its path alone. They cannot be made in the host's /dev,
+    which every process shares; so /dev here is an overlay whose lower layer is the host's /dev
+    and whose upper layer, a tmpfs mounted at ``layer`` in this namespace, holds the new nodes.
+    The host's /dev never changes, and the overlay goes with the namespace. The mounts below the
+    host's /dev (pts, shm, ...) are not part of its lower layer, so they are bound back on top.
+    """
+    if not nodes:
+        return
+    _mount("-t", "tmpfs", "-o", "mode=0700", "dev-layer", str(layer))
+    host, upper, work = layer / "host", layer / "upper", layer / "work"
+    for directory in (host, upper, work):
+        directory.mkdir()
+    submounts = _mounts_below(Path("/dev"))
+    _mount("--rbind", "/dev", str(host))
+    _mount("-t", "overlay", "-o", f"lowerdir={host},upperdir={upper},workdir={work}", "dev-overlay", "/dev")
+    for submount in submounts:
+        _mount("--rbind", str(host / submount.relative_to("/dev")), str(submount))
+    for path, major, minor, mode in nodes:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        os.mknod(path, mode | stat.S_IFCHR, os.makedev(major, minor))
+
+
+def _mounts_below(top: Path) -> list[Path]:
+    """The outermost mount points strictly below ``top`` (their own submounts come with an rbind)."""
+    points = sorted(Path(line.split()[4]) for line in Path("/proc/self/mountinfo").read_text().splitlines())
+    below = [p for p in points if top in p.parents]
+    return sorted({p for p in below if not any(q in p.parents for q in below)})
 
 
 def _connect_api_proxy(spec: dict[str, Any]) -> None:

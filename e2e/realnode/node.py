@@ -32,7 +32,7 @@ from e2e.cluster.controlplane import ClusterInfo, free_ports
 from e2e.cluster.processes import ProcessRecord
 from e2e.realnode import config
 from e2e.realnode.config import NodeLayout
-from e2e.realnode.driver_root import make_driver_root
+from e2e.realnode.driver_root import make_driver_root, vfio_device_nodes
 from e2e.realnode.holder import cgroup_pids
 from e2e.realnode.images import IMAGES, ImageArchive, image_archives
 
@@ -306,9 +306,13 @@ class RealNode:
                 "env": {"PATH": _path()},
             }
         )
+        dev_layer = self.base / "dev-layer"  # the mount point of /dev's upper layer (holder.py)
+        dev_layer.mkdir(exist_ok=True)
         spec = {
             "binds": binds,
             "file_binds": file_binds,
+            "device_nodes": vfio_device_nodes(self.profile),
+            "dev_layer": str(dev_layer),
             "logs": str(layout.logs),
             "ready_file": str(self.base / "ready"),
             "cgroup_root": layout.cgroup_root,

@@ -1,5 +1,9 @@
 """``python -m e2e.reliability [--ci] [--only kill9,fuzz,...] [--seed N]``: the fault suite.
 
+``--kinds`` and ``--crash-points`` narrow the kill -9 runs to some claim kinds (each run's first
+claim; the others are drawn as always) and crash points, and ``--kill9-runs`` sets their number:
+``--only kill9 --kinds passthrough --kill9-runs 300`` hammers passthrough alone.
+
 Starts the real control plane (as ``make e2e`` does), runs the scenarios, prints a table, writes
 ``_output/reliability.json``; exits 1 when a goal is missed, 2 when the suite itself failed.
 """
@@ -7,6 +11,7 @@ Starts the real control plane (as ``make e2e`` does), runs the scenarios, prints
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -16,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from e2e.reliability import suite
+from e2e.reliability import kill9, suite
 from e2e.reliability.env import environment
 
 OUTPUT = Path("_output/reliability.json")
@@ -28,6 +33,9 @@ def main() -> int:
     parser.add_argument("--only", default=",".join(suite.SCENARIOS), help="scenarios, comma-separated")
     parser.add_argument("--seed", type=int, default=None, help="default: random (printed)")
     parser.add_argument("--output", type=Path, default=OUTPUT)
+    parser.add_argument("--kinds", default="", help="kill9: first claim kinds (a,b,...; default all)")
+    parser.add_argument("--crash-points", default="", help="kill9: crash points (a,b,...; default all)")
+    parser.add_argument("--kill9-runs", type=int, default=None, help="kill9: runs (default: the size's)")
     args = parser.parse_args()
     only = tuple(s for s in args.only.split(",") if s)
     unknown = set(only) - set(suite.SCENARIOS)
@@ -35,9 +43,18 @@ def main() -> int:
         parser.error(f"unknown scenarios {sorted(unknown)}; known: {', '.join(suite.SCENARIOS)}")
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     size = suite.CI if args.ci else suite.FULL
+    if args.kill9_runs is not None:
+        size = dataclasses.replace(size, kill9_runs=args.kill9_runs)
+    try:
+        focus = kill9.Focus(
+            kinds=tuple(k for k in args.kinds.split(",") if k) or kill9.KINDS,
+            points=tuple(p for p in args.crash_points.split(",") if p) or kill9.POINTS,
+        )
+    except ValueError as error:
+        parser.error(str(error))
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="dra-reliability-") as scratch, environment(Path(scratch)) as env:
-        figures = suite.run(env, size, seed, only)
+        figures = suite.run(env, size, seed, only, focus)
     figures["duration_s"] = round(time.monotonic() - started, 1)
     figures["size"] = "ci" if args.ci else "full"
     figures["machine"] = {

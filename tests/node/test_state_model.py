@@ -27,9 +27,10 @@ the CDI directory, the GPUs and their MIG devices, the MPS daemons -- and the pr
   simulator has no MIG mode), unless the record that the driver switched it was lost.
 * no GPU stays on vfio-pci once no claim may hold it.
 
-Except: what a prepare that died before writing its spec made (a MIG device, a GPU moved to
-vfio-pci) is the node's for good once a lost state forgot it, as nothing names it any more: the
-node takes it for an administrator's (docs/reliability.md, docs/passthrough.md).
+Except: a MIG device that a prepare made and died before writing its spec is the node's for good
+once a lost state forgot it, as nothing names it any more: the node takes it for an
+administrator's (docs/reliability.md). A GPU moved to vfio-pci is never so: its spec is written
+before the move (docs/passthrough.md).
 
 A crash is simulated in this process: at the chosen crash point the machine copies the files a
 SIGKILL would leave (state, CDI specs, the simulated GPUs), raises :class:`Crash`, which nothing
@@ -915,8 +916,6 @@ class NodeStateModel(RuleBasedStateMachine):
             unnamed = claim.may_hold and claim.ref.uid not in specs
             if claim.may_hold and kind.makes_mig and (unnamed or not MIG_DEVICE_SURVIVES_LOST_STATE):
                 self.kept.add(claim.device)
-            if unnamed and kind.passes_through:
-                self.kept.add(claim.device)  # on vfio-pci with no spec to tell whose: an administrator's
             if claim.may_hold and kind.changes_gpu_settings:
                 self.settings_forgotten.add(claim.device)
         self.mig_mode_kept |= self._mig_mode_the_driver_switched_on()
