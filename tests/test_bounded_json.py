@@ -47,3 +47,30 @@ def test_not_json_is_still_a_value_error() -> None:
         loads_pruned(b"{" * 100)
     with pytest.raises(json.JSONDecodeError):
         loads_pruned(b"not json")
+
+
+@pytest.mark.parametrize(
+    "inside",
+    [
+        '"\\\\"',  # a string ending in an escaped backslash: the next quote closes it
+        '"\\"]]]]"',  # an escaped quote: the brackets after it are still in the string
+        '"\\u005b{["',  # brackets beside an escape
+        '"multi\\nline"',
+    ],
+)
+def test_escapes_in_strings_neither_nest_nor_hide_a_level(inside: str) -> None:
+    at_limit = '{"a":' * (MAX_DEPTH - 1) + "[" + inside + "]" + "}" * (MAX_DEPTH - 1)
+    assert loads(at_limit, "x") == json.loads(at_limit)
+    one_more = '{"a":' * MAX_DEPTH + "[" + inside + "]" + "}" * MAX_DEPTH
+    with pytest.raises(TooDeep):
+        loads(one_more, "x")
+    document, pruned = loads_pruned(one_more)
+    assert pruned
+    assert document == json.loads('{"a":' * MAX_DEPTH + "null" + "}" * MAX_DEPTH)
+
+
+def test_an_unterminated_string_is_not_json_at_any_depth() -> None:
+    with pytest.raises(json.JSONDecodeError):
+        loads_pruned(b'{"a": "[[[')
+    with pytest.raises(json.JSONDecodeError):
+        loads_pruned(b'{"a": "' + b"{" * (MAX_DEPTH + 5))

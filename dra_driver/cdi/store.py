@@ -121,14 +121,18 @@ class SpecStore:
             )
         data = (json.dumps(spec, separators=(",", ":")) + "\n").encode()
 
-        self._dir.mkdir(parents=True, exist_ok=True)
-        fd, temp_name = _locked_temp_file(self._dir, prefix=f".{path.stem}.")
         try:
-            with os.fdopen(fd, "wb", closefd=False) as temp:
-                temp.write(data)
-                temp.flush()
-                # Readable like any other spec: tools such as `cdi list` need not run as root.
-                os.fchmod(temp.fileno(), 0o644)
+            fd, temp_name = _locked_temp_file(self._dir, prefix=f".{path.stem}.")
+        except FileNotFoundError:  # the directory is made by the first write (again, if removed since)
+            self._dir.mkdir(parents=True, exist_ok=True)
+            fd, temp_name = _locked_temp_file(self._dir, prefix=f".{path.stem}.")
+        try:
+            # Plain write(2) calls: a file object around the descriptor costs more than the write.
+            unwritten = memoryview(data)
+            while unwritten:
+                unwritten = unwritten[os.write(fd, unwritten) :]
+            # Readable like any other spec: tools such as `cdi list` need not run as root.
+            os.fchmod(fd, 0o644)
             crashpoint.reached("cdi.before_rename")
             # Renamed while still open and locked: see remove_leftover_temps.
             os.replace(temp_name, path)

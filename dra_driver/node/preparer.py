@@ -294,7 +294,7 @@ class NodePreparer:
 
     async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareOutcome]:
         report = self._observer.prepare_done if self._observer else None
-        outcomes = await asyncio.gather(*(self._run(ref, "prepare", self._prepare, report) for ref in claims))
+        outcomes = await _together([self._run(ref, "prepare", self._prepare, report) for ref in claims])
         if self._on_prepared is not None:
             for ref, outcome in zip(claims, outcomes, strict=True):
                 if not isinstance(outcome, ClaimError):
@@ -322,9 +322,7 @@ class NodePreparer:
 
     async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, ClaimError | None]:
         report = self._observer.unprepare_done if self._observer else None
-        outcomes = await asyncio.gather(
-            *(self._run(ref, "unprepare", self._unprepare, report) for ref in claims)
-        )
+        outcomes = await _together([self._run(ref, "unprepare", self._unprepare, report) for ref in claims])
         if self._on_unprepared is not None:
             for ref, outcome in zip(claims, outcomes, strict=True):
                 if outcome is None:
@@ -893,6 +891,18 @@ def _with_mig_uuid(record: ClaimRecord, device: str, mig_uuid: str | None) -> Cl
             )
         }
     )
+
+
+async def _together(runs: Sequence[Coroutine[Any, Any, _T]]) -> Sequence[_T]:
+    """The outcomes of ``runs``, run concurrently (:meth:`NodePreparer._run` never raises).
+
+    A pod of one claim, the usual call, is awaited as it is: ``gather`` would wrap it in one more
+    task (about 12 µs of CPU per call), and the claim's work already runs in a task of its own,
+    shielded from the call's cancellation (``_run``).
+    """
+    if len(runs) == 1:
+        return [await runs[0]]
+    return await asyncio.gather(*runs)
 
 
 def _prepared_devices(record: ClaimRecord) -> tuple[PreparedDevice, ...]:

@@ -43,6 +43,16 @@ def test_spec_lands_under_the_transient_name_and_reads_back(store: SpecStore, tm
     assert runtime_visible(path.parent) == [path.name]
 
 
+def test_a_cdi_directory_removed_after_a_write_is_made_again(store: SpecStore, tmp_path: Path) -> None:
+    store.write(CLAIM_UID, spec_for(CLAIM_UID))
+    store.remove(CLAIM_UID)
+    (tmp_path / "cdi").rmdir()
+    path = store.write(OTHER_UID, spec_for(OTHER_UID))
+    assert json.loads(path.read_text()) == spec_for(OTHER_UID)
+    assert path.stat().st_mode & 0o777 == 0o644
+    assert runtime_visible(tmp_path / "cdi") == [path.name]
+
+
 def test_a_spec_is_one_line_of_compact_json(store: SpecStore) -> None:
     # Indented JSON is Python's slow pure-Python encoder: the spec is written as CDI's Go writer does.
     spec = spec_for(CLAIM_UID, GPU0, GPU1)
