@@ -24,6 +24,7 @@ from e2e.workloads import (
     allocated_devices,
     delete_pod,
     pod_claim,
+    pod_event_saying,
     pod_path,
     wait_gone,
     wait_running,
@@ -230,17 +231,12 @@ def test_admin_access_to_a_mig_device_that_is_gone_fails_only_its_own_pod_with_a
 
     looking = [_mig_claim("inspect", parent, admin_access=True), pod_using("inspect", "inspect")]
     manifests.apply(rest, manifests.pinned(looking, node.name), admin_namespace)
-    events = f"/api/v1/namespaces/{admin_namespace}/events"
-    selector = "involvedObject.kind=Pod,involvedObject.name=inspect"
     reason = f"device {device}: admin access to a MIG placement needs its MIG device to exist"
-
-    def failure() -> JsonObject | None:
-        """The kubelet's FailedPrepareDynamicResources; with binding conditions (on by default from
-        1.36) the pod is not bound and the scheduler's event carries the plugin's PrepareFailed."""
-        items: list[JsonObject] = rest.request("GET", events, query={"fieldSelector": selector})["items"]
-        return next((item for item in items if reason in (item.get("message") or "")), None)
-
-    wait_until(failure, timeout_seconds=60, waiting_for="the admin pod's prepare to fail")
+    wait_until(
+        lambda: pod_event_saying(rest, admin_namespace, "inspect", reason),
+        timeout_seconds=60,
+        waiting_for="the admin pod's prepare to fail",
+    )
     assert rest.get(pod_path(admin_namespace, "inspect"))["status"]["phase"] == "Pending"
 
     run_on_gpu(rest, node, namespace, "unaffected", gpu_uuid(node, 6))  # the driver serves others meanwhile

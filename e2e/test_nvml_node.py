@@ -29,6 +29,7 @@ from e2e.workloads import (
     delete_pod,
     expected_cdi_ids,
     pod_claim,
+    pod_event_saying,
     wait_running,
 )
 from tests.mock_nvml import MockNvml
@@ -234,19 +235,11 @@ def test_mig_on_a_busy_gpu_fails_its_claim_keeps_mig_mode_off_and_succeeds_once_
 ) -> None:
     hardware(node, "busy 6 on")  # processes on the full GPU: NVML refuses the MIG-mode switch, IN_USE
     mig_claim_on(rest, node, namespace, "mig-busy", gpu=6)
-    selector = "involvedObject.kind=Pod,involvedObject.name=mig-busy,reason=FailedPrepareDynamicResources"
-
-    def failure() -> JsonObject | None:
-        query = {"fieldSelector": selector}
-        items: list[JsonObject] = rest.request("GET", f"/api/v1/namespaces/{namespace}/events", query=query)[
-            "items"
-        ]
-        return items[0] if items else None
-
-    event = wait_until(
-        failure, timeout_seconds=TIMEOUT_S, waiting_for="a FailedPrepareDynamicResources event"
+    wait_until(
+        lambda: pod_event_saying(rest, namespace, "mig-busy", "the GPU is in use"),
+        timeout_seconds=TIMEOUT_S,
+        waiting_for="the failed prepare's event",
     )
-    assert "the GPU is in use" in event["message"]
     # NVML set the pending mode before refusing; the driver put it back, or MIG mode would come on at
     # the GPU's next reset.
     assert (gpu_state(node, 6)["migCurrent"], gpu_state(node, 6)["migPending"]) == (0, 0)

@@ -58,6 +58,17 @@ def delete_pod(rest: RestClient, namespace: str, name: str) -> None:
     wait_gone(rest, path)
 
 
+def pod_event_saying(rest: RestClient, namespace: str, pod: str, text: str) -> JsonObject | None:
+    """The pod's first event whose message contains ``text``: a failed prepare is the kubelet's
+    FailedPrepareDynamicResources, or, with binding conditions (on by default from 1.36) on a device
+    made at prepare, the scheduler's event of a binding the plugin failed; both carry its reason."""
+    query = {"fieldSelector": f"involvedObject.kind=Pod,involvedObject.name={pod}"}
+    items: list[JsonObject] = rest.request("GET", f"/api/v1/namespaces/{namespace}/events", query=query)[
+        "items"
+    ]
+    return next((item for item in items if text in (item.get("message") or "")), None)
+
+
 def cdi_devices(pod: Mapping[str, Any]) -> dict[str, list[str]]:
     """The CDI device ids, by container, that the kubelet passed to the container runtime."""
     annotations = pod["metadata"].get("annotations") or {}

@@ -101,7 +101,13 @@ class DriverRelease:
         if not self.installed:
             return
         self.installed = False
-        self.helm_run("uninstall", RELEASE, "--namespace", NAMESPACE, "--wait", "--timeout", "120s")
+        # --wait includes the chart's CRDs. The API server's CRD finalizer may meet the resource's
+        # storage still being set up (a module that installs and uninstalls within seconds) and then
+        # retries with a growing backoff: CI saw a ComputeDomainClique CRD go 2.5 minutes after its
+        # deletion ("storage is (re)initializing"). The next install needs it gone, so wait it out.
+        self.helm_run(
+            "uninstall", RELEASE, "--namespace", NAMESPACE, "--wait", "--timeout", "300s", timeout=330
+        )
 
     # --- what the driver leaves on the node -----------------------------------------------------
 

@@ -348,9 +348,18 @@ async def run(env: Env, runs: int, seed: int, focus: Focus = EVERYTHING) -> Kill
     finally:
         await plugin.stop()
         await second.stop()
-    # The compute-domain driver's kinds, on a node of an NVLink clique (one run in five, three at least).
-    await kill9_domains.run(env, max(3, runs // 5), seed, figures)
+    if focus == EVERYTHING:
+        await kill9_domains.run(env, domain_runs(runs), seed, figures)
     return figures
+
+
+def domain_runs(runs: int) -> int:
+    """The runs of the compute-domain driver's kinds, on a node of an NVLink clique, after ``runs``
+    of the GPU driver's: one in five, three at least."""
+    return max(3, runs // 5)
+
+
+ALL_KINDS = (*KINDS, *kill9_domains.KINDS)  # what a run of everything prepares
 
 
 def _create_static_mig(node: SimNode, paths: DriverPaths) -> str:
