@@ -96,3 +96,19 @@ def of_kind(objects: Iterable[JsonObject], kind: str) -> list[JsonObject]:
 def apply_example(rest: RestClient, path: Path, namespace: str, *, node_name: str) -> list[JsonObject]:
     """Applies an example file into `namespace` with its Pods kept to `node_name` (see `pinned`)."""
     return apply(rest, pinned(load(path), node_name), namespace)
+
+
+CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+
+
+def wait_established(rest: RestClient, crd: str) -> None:
+    """Until the CustomResourceDefinition ``crd`` is Established (its ``status.conditions`` are
+    null, not absent, for a moment after its creation)."""
+    rest.wait_for(
+        CRDS,
+        crd,
+        lambda o: any(
+            c["type"] == "Established" and c["status"] == "True"
+            for c in (o.get("status") or {}).get("conditions") or []
+        ),
+    )

@@ -123,14 +123,7 @@ def rack(
             rest.create(collection, obj)
             created.append(f"{collection}/{obj['metadata']['name']}")
         for crd_name in ("computedomains.resource.nvidia.com", "computedomaincliques.resource.nvidia.com"):
-            rest.wait_for(
-                "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
-                crd_name,
-                lambda crd: any(
-                    c["type"] == "Established" and c["status"] == "True"
-                    for c in crd.get("status", {}).get("conditions", [])
-                ),
-            )
+            manifests.wait_established(rest, crd_name)
 
         extra = ExtraControllers(control_plane_binaries, cluster, base / "kube-controller-manager.log")
         extra.start()

@@ -41,6 +41,7 @@ from dra_driver.computedomain.api import ChannelAllocationMode, Names, channel_c
 from dra_driver.kubelet.pb.dra.v1 import dra_pb2_grpc
 from dra_driver.node.store import STORE_FILE, DomainClaim, open_read_only
 from dra_driver.node.types import ClaimRef
+from e2e import manifests
 from e2e.cluster import RestClient
 from e2e.cluster.binaries import REPO_ROOT, build_outputs
 from e2e.reliability.env import Env, SimNode
@@ -55,7 +56,6 @@ KINDS = ("compute-domain-channel", "compute-domain-channel-all", "compute-domain
 # Where the compute-domain driver's prepare and unprepare pass (the GPU driver's own, MIG and vfio, not).
 _POINTS = ("store.before_commit", "store.after_commit", "cdi.before_rename", "cdi.after_write",
            "cdi.before_remove", "cdi.after_remove")  # fmt: skip
-_CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 
 
 class DomainPlugin(Plugin):
@@ -126,15 +126,8 @@ def install_crds(rest: RestClient) -> None:
     ).stdout
     for obj in yaml.safe_load_all(rendered):
         if obj and obj["kind"] == "CustomResourceDefinition":
-            rest.create(_CRDS, obj)
-            rest.wait_for(
-                _CRDS,
-                obj["metadata"]["name"],
-                lambda crd: any(
-                    c["type"] == "Established" and c["status"] == "True"
-                    for c in crd.get("status", {}).get("conditions", [])
-                ),
-            )
+            rest.create(manifests.CRDS, obj)
+            manifests.wait_established(rest, obj["metadata"]["name"])
 
 
 def _create_domain(rest: RestClient, node: SimNode) -> str:

@@ -41,6 +41,7 @@ from dra_driver.node.claim_status import ApiServerClaimStatus
 from dra_driver.node.sharing.mps import MpsDaemonSpec, MpsDevice, MpsPaths
 from dra_driver.node.sharing.mps_deployment import deployment_manifest
 from dra_driver.node.types import ClaimRef
+from e2e import manifests
 from e2e.cluster import ApiError, ClusterInfo, JsonObject, RestClient, create_fake_node
 from e2e.cluster.binaries import REPO_ROOT, build_outputs
 from e2e.cluster.tokens import mint_service_account_token
@@ -391,14 +392,7 @@ def _prepare(cluster: ClusterInfo, admin: RestClient) -> Setup:
 
 
 def _wait_established(admin: RestClient, crd: str) -> None:
-    admin.wait_for(
-        "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
-        crd,
-        lambda o: any(
-            c["type"] == "Established" and c["status"] == "True"
-            for c in o.get("status", {}).get("conditions", [])
-        ),
-    )
+    manifests.wait_established(admin, crd)
     deadline = time.monotonic() + 30
     while True:  # served a moment after it is established
         try:
