@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import subprocess
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import yaml
 
 from e2e.cluster import JsonObject, RestClient
-from e2e.cluster.binaries import REPO_ROOT
+from e2e.cluster.binaries import REPO_ROOT, build_outputs
 
 EXAMPLES = REPO_ROOT / "docs" / "examples"
 DEMO = EXAMPLES / "demo"
@@ -112,3 +113,15 @@ def wait_established(rest: RestClient, crd: str) -> None:
             for c in (o.get("status") or {}).get("conditions") or []
         ),
     )
+
+
+def rendered_chart(release: str, namespace: str, *values: str) -> list[JsonObject]:
+    """The chart's objects as ``helm template <release> --namespace <namespace> --set <value>...``
+    renders them (the release names the objects)."""
+    helm = Path(build_outputs("helm")["HELM_BIN_DIR"]) / "helm"
+    chart = REPO_ROOT / "charts" / "dra-driver-gpu"
+    argv = [str(helm), "template", release, str(chart), "--namespace", namespace]
+    for value in values:
+        argv += ["--set", value]
+    rendered = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=120).stdout
+    return [obj for obj in yaml.safe_load_all(rendered) if obj]

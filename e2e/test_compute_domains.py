@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ from kubernetes import client
 from dra_driver.computedomain.plugin import SIMULATED_CHANNEL_MAJOR
 from e2e import manifests
 from e2e.cluster import ApiError, ClusterInfo, RestClient
-from e2e.cluster.binaries import REPO_ROOT, ControlPlaneBinaries, build_outputs
+from e2e.cluster.binaries import ControlPlaneBinaries
 from e2e.cluster.controlplane import free_ports
 from e2e.cluster.credentials import write_kubeconfig
 from e2e.cluster.tokens import mint_service_account_token
@@ -75,17 +74,9 @@ _PATHS = {
 def _chart_compute_domain_objects(namespace: str) -> list[tuple[str, dict[str, Any]]]:
     """The chart's ComputeDomain objects but the controller Deployment (run here as a process), each
     with the collection to create it in: what `helm install --set driverName=gpu.nvidia.com` creates."""
-    helm = Path(build_outputs("helm")["HELM_BIN_DIR"]) / "helm"
-    chart = str(REPO_ROOT / "charts" / "dra-driver-gpu")
-    rendered = subprocess.run(
-        [str(helm), "template", "cd", chart, "--namespace", namespace, "--set", f"driverName={DRIVER}"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
     objects = []
-    for obj in yaml.safe_load_all(rendered):
-        if not obj or obj["kind"] not in _PATHS:
+    for obj in manifests.rendered_chart("cd", namespace, f"driverName={DRIVER}"):
+        if obj["kind"] not in _PATHS:
             continue
         if obj["kind"] != "CustomResourceDefinition" and "compute-domain" not in obj["metadata"]["name"]:
             continue

@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-import subprocess
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import grpc
-import yaml
 
 from bench.claims import AllocatedClaims
 from bench.kubelet import register
@@ -43,7 +41,6 @@ from dra_driver.node.store import STORE_FILE, DomainClaim, open_read_only
 from dra_driver.node.types import ClaimRef
 from e2e import manifests
 from e2e.cluster import RestClient
-from e2e.cluster.binaries import REPO_ROOT, build_outputs
 from e2e.reliability.env import Env, SimNode
 from e2e.reliability.plugin import DRIVER, CallResult, Plugin, PluginDied
 
@@ -106,26 +103,8 @@ async def run(env: Env, runs: int, seed: int, figures: Any) -> None:
 
 def install_crds(rest: RestClient) -> None:
     """The chart's ComputeDomain CRDs (under the driver's own name), as ``helm install`` creates them."""
-    helm = Path(build_outputs("helm")["HELM_BIN_DIR"]) / "helm"
-    chart = str(REPO_ROOT / "charts" / "dra-driver-gpu")
-    rendered = subprocess.run(
-        [
-            str(helm),
-            "template",
-            "rel",
-            chart,
-            "--namespace",
-            "dra-driver-gpu",
-            "--set",
-            f"driverName={DRIVER}",
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    ).stdout
-    for obj in yaml.safe_load_all(rendered):
-        if obj and obj["kind"] == "CustomResourceDefinition":
+    for obj in manifests.rendered_chart("rel", "dra-driver-gpu", f"driverName={DRIVER}"):
+        if obj["kind"] == "CustomResourceDefinition":
             rest.create(manifests.CRDS, obj)
             manifests.wait_established(rest, obj["metadata"]["name"])
 
