@@ -71,6 +71,7 @@ from dra_driver.devices.types import DeviceNode
 from dra_driver.node.claim_fetcher import ClaimFetcher
 from dra_driver.node.claims import ClaimRejected, allocated_claim, check_ref
 from dra_driver.node.records import Phase
+from dra_driver.node.recovery import CONFLICT_ADVICE, Conflict
 from dra_driver.node.store import DomainClaim, MutationRejected, Store
 from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice, PrepareOutcome
 from dra_driver.resources.slices import SliceContent
@@ -176,6 +177,9 @@ class ComputeDomainPreparer:
         self._channel_major = channel_major
         self._server_port = server_port
         self._locks: dict[str, asyncio.Lock] = {}
+        # Claims the start rebuilt (from their specs, or the earlier version's files) that the
+        # store refused: the plugin posts each as a Node Event, as the GPU driver's start does.
+        self.recovery_conflicts: list[Conflict] = []
 
     async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareOutcome]:
         results = await asyncio.gather(*(self._prepare_one(ref) for ref in claims))
@@ -195,7 +199,9 @@ class ComputeDomainPreparer:
         """Bring the store up to date with the node (see the module doc); blocking, before serving."""
         self._specs.remove_leftover_temps()
         imported = self._read_legacy_records()
-        if self._store.start_domain_claims(boot_id, imported):
+        earlier, refused = self._store.start_domain_claims(boot_id, imported)
+        self.recovery_conflicts = [_conflict(claim.uid, error) for claim, error in refused]
+        if earlier:
             for uid in self._specs.claim_uids():
                 self._specs.remove(uid)
             shutil.rmtree(self._configs, ignore_errors=True)
@@ -251,14 +257,8 @@ class ComputeDomainPreparer:
                 continue
             try:
                 self._store.reserve_domain_claim(claim)
-            except MutationRejected as conflict:
-                log.error(
-                    "a compute-domain claim rebuilt from its CDI spec conflicts",
-                    claim_uid=uid,
-                    holder=conflict.holder,
-                    error=str(conflict),
-                    what_to_do="delete the pod of one of the two claims; its unprepare removes its spec",
-                )
+            except MutationRejected as error:
+                self.recovery_conflicts.append(_conflict(uid, error))
                 continue
             log.info("rebuilt a compute-domain claim from its CDI spec", claim_uid=uid, device=claim.device)
 
@@ -469,3 +469,15 @@ def _write_atomically(path: Path, text: str) -> None:
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise
+
+
+def _conflict(uid: str, refused: MutationRejected) -> Conflict:
+    """A rebuilt claim the store refused, logged naming both claims (the GPU driver's wording)."""
+    log.error(
+        "a compute-domain claim rebuilt after a lost store conflicts",
+        claim_uid=uid,
+        holder=refused.holder,
+        error=str(refused),
+        what_to_do=CONFLICT_ADVICE,
+    )
+    return Conflict(uid, refused.holder or "", str(refused))

@@ -30,6 +30,7 @@ from dra_driver.kube import ApiClient
 from dra_driver.kubelet.server import KubeletPlugin
 from dra_driver.kubelet.sockets import KubeletSocketError
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
+from dra_driver.node.events import report_conflicts
 from dra_driver.node.records import read_boot_id
 from dra_driver.node.store import Store, open_store
 from dra_driver.resources.publisher import SlicePublisher
@@ -164,6 +165,13 @@ class ComputeDomainPlugin:
             channel_major=major,
         )
         await asyncio.to_thread(self.preparer.start, boot_id)
+        await report_conflicts(
+            JsonApi(self._api),
+            self.preparer.recovery_conflicts,
+            node_name=self._node,
+            node_uid=self._node_uid,
+            driver=self.names.driver,
+        )
         try:
             plugin = KubeletPlugin(
                 self.names.driver,

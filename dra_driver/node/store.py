@@ -409,15 +409,19 @@ class Store:
         with self._write() as db:
             db.execute("DELETE FROM domain_claims WHERE uid = ?", (uid,))
 
-    def start_domain_claims(self, boot_id: str, recorded: Iterable[DomainClaim]) -> bool:
-        """The compute-domain driver's start, one transaction: whether its rows are of an earlier boot.
+    def start_domain_claims(
+        self, boot_id: str, recorded: Iterable[DomainClaim]
+    ) -> tuple[bool, list[tuple[DomainClaim, MutationRejected]]]:
+        """The compute-domain driver's start, one transaction: whether its rows are of an earlier boot,
+        and the recorded claims the checks refused.
 
         The GPU driver's start has already moved the store to this boot (and dropped these rows);
         the boot the compute-domain driver last started in tells it that its CDI specs and
         configuration directories are stale too. None recorded (a new store) is this boot's: the
         specs are then the evidence, as for the GPUs. ``recorded`` (the claims of its files from
-        before this store) are inserted through the checked path when current; a conflict is logged.
+        before this store) are inserted through the checked path when current.
         """
+        refused: list[tuple[DomainClaim, MutationRejected]] = []
         with self._write() as db:
             row = db.execute("SELECT value FROM meta WHERE key = ?", (DOMAIN_BOOT_KEY,)).fetchone()
             earlier = row is not None and row[0] != boot_id
@@ -428,11 +432,9 @@ class Store:
                     try:
                         _put_domain_claim(db, claim)
                     except MutationRejected as conflict:
-                        log.error(
-                            "a compute-domain claim of the earlier version conflicts", error=str(conflict)
-                        )
+                        refused.append((claim, conflict))
             db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (DOMAIN_BOOT_KEY, boot_id))
-        return earlier
+        return earlier, refused
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:

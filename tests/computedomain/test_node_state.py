@@ -168,6 +168,46 @@ def test_a_lost_store_is_rebuilt_from_the_specs_and_keeps_the_channel_held(tmp_p
     assert not (tmp_path / "compute-domains" / "domains" / cd.metadata.uid).exists()
 
 
+def test_two_specs_of_one_channel_after_a_lost_store_keep_one_claim_and_report_the_other(
+    tmp_path: Path,
+) -> None:
+    """Both specs name channel-0 (the younger written by a driver without the store's index): the
+    rebuild records one claim and reports the other, naming both, for the Event on the Node."""
+    cd = ready(domain())
+    domains, claims = FakeDomains(cd), InMemoryClaims()
+    first, second = channel_claim(claims, cd), channel_claim(claims, cd)
+    asyncio.run(preparer(tmp_path, domains, claims).prepare([first]))
+    cdi = SpecStore(tmp_path / "cdi", NAMES.driver)
+    copied = json.dumps(cdi.read(first.uid)).replace(first.uid, second.uid)
+    cdi.write(second.uid, json.loads(copied))
+    (tmp_path / STORE_FILE).unlink()
+
+    restarted = preparer(tmp_path, domains, claims)
+
+    kept, refused = sorted([first.uid, second.uid])  # rebuilt in the order of their uids
+    assert set(rows(tmp_path)) == {kept}
+    (conflict,) = restarted.recovery_conflicts
+    assert (conflict.uid, conflict.holder) == (refused, kept)
+    assert "channel-0" in conflict.reason
+
+
+def test_an_earlier_versions_claim_files_naming_one_channel_twice_report_the_second(tmp_path: Path) -> None:
+    cd = ready(domain())
+    domains, claims = FakeDomains(cd), InMemoryClaims()
+    first, second = channel_claim(claims, cd), channel_claim(claims, cd)
+    legacy = tmp_path / "compute-domains" / "claims"
+    legacy.mkdir(parents=True)
+    for ref in (first, second):
+        (legacy / f"{ref.uid}.json").write_text(json.dumps({"kind": "channel", "domainUID": cd.metadata.uid}))
+
+    upgraded = preparer(tmp_path, domains, claims)
+
+    kept, refused = sorted([first.uid, second.uid])  # the files are read in the order of their names
+    assert set(rows(tmp_path)) == {kept}
+    (conflict,) = upgraded.recovery_conflicts
+    assert (conflict.uid, conflict.holder) == (refused, kept)
+
+
 def test_a_recovered_channels_unprepare_removes_the_label_of_its_unnamed_domain(tmp_path: Path) -> None:
     cd = ready(domain())
     domains, claims = FakeDomains(cd), InMemoryClaims()
