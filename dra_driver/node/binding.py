@@ -165,6 +165,8 @@ class AheadPreparer(Protocol):
 
     def ahead_of_binding(self) -> dict[str, ClaimRecord]: ...
 
+    def prepared_ahead(self, uid: str) -> ClaimRecord | None: ...
+
     async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, ClaimError | None]: ...
 
 
@@ -244,7 +246,7 @@ class BindingWatcher:
 
     async def _settle(self, uid: str, claim: Mapping[str, Any] | None) -> None:
         devices = waiting_devices(claim, self._driver, self._pool) if claim is not None else ()
-        ahead = self._preparer.ahead_of_binding().get(uid)
+        ahead = self._preparer.prepared_ahead(uid)
         if ahead is not None and {d.device for d in ahead.devices} != self._allocated(claim):
             # The pod will not come for what was made: the claim is gone, or its allocation was
             # taken back (a failed or timed-out binding) or is another one now.

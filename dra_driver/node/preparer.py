@@ -320,6 +320,16 @@ class NodePreparer:
         """The claims prepared ahead of binding that the kubelet has not asked for yet, by uid."""
         return {uid: r for uid, r in self._state().snapshot().claims.items() if r.ahead_of_binding}
 
+    def prepared_ahead(self, uid: str) -> ClaimRecord | None:
+        """``uid``'s record if it was prepared ahead of binding and the kubelet has not asked for it.
+
+        One row: the binding watcher asks on every claim event of the cluster, and a snapshot
+        decodes every record of the node (a status write of each of 200 prepared claims then
+        decoded 200 records per event).
+        """
+        record = self._state().claim(uid)
+        return record if record is not None and record.ahead_of_binding else None
+
     async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, ClaimError | None]:
         report = self._observer.unprepare_done if self._observer else None
         outcomes = await _together([self._run(ref, "unprepare", self._unprepare, report) for ref in claims])
