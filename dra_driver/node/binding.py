@@ -201,8 +201,16 @@ class BindingWatcher:
     async def on_event(self, kind: str, claim: Mapping[str, Any]) -> None:
         """A claim was listed, added, changed or deleted (``kind`` as the watch says it)."""
         uid = str((claim.get("metadata") or {}).get("uid") or "")
-        if uid:
-            self._submit(uid, None if kind == "DELETED" else claim)
+        if not uid:
+            return
+        # Most claims of the cluster are other nodes' (every node watches them all): nothing to do
+        # for a claim not allocated from this pool and not prepared ahead here, which settling
+        # would find too, at the cost of a task per event. A claim whose work runs takes every
+        # event: the work may be preparing it ahead right now.
+        idle = uid not in self._busy
+        if idle and not self._allocated(claim) and self._preparer.prepared_ahead(uid) is None:
+            return
+        self._submit(uid, None if kind == "DELETED" else claim)
 
     def on_listed(self, claims: list[dict[str, Any]]) -> None:
         """A full listing: claims prepared ahead that are gone from it are undone."""
