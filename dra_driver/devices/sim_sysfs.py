@@ -33,7 +33,7 @@ FIRST_GROUP = 20  # group numbers as a server has them: the GPUs' come after the
 
 # A line of sysfs's ``resource`` file per BAR, ROM and SR-IOV BAR ("start end flags"; zeros: unused).
 _RESOURCE_LINES = 13
-_MEM_32 = 0x40200  # IORESOURCE_MEM | IORESOURCE_SIZEALIGN, the BAR's own type bits (32-bit) below
+_MEM_32 = 0x40200  # IORESOURCE_MEM | IORESOURCE_SIZEALIGN; the BAR's own type bits (low 4) 0: 32-bit
 _MEM_64_PREFETCH = 0x14220C  # ... | IORESOURCE_PREFETCH | IORESOURCE_MEM_64; type bits 64-bit, prefetch
 _REGISTERS = 16 << 20  # BAR0, the GPU's registers
 _BAR3 = 32 << 20  # BAR3, a 64-bit window beside the framebuffer's
