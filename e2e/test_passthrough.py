@@ -163,7 +163,11 @@ def test_a_gpu_in_use_is_not_allocated_for_passthrough_by_the_scheduler(
     manifests.apply(rest, claim_and_pod("cuda", "gpu.nvidia.com", bus_id, node.name), namespace)
     wait_running(rest, namespace, "cuda")
 
-    manifests.apply(rest, claim_and_pod("vm", "vfio.gpu.nvidia.com", bus_id, node.name), namespace)
+    # NVIDIA's addressableMemory, as a VM's claim may select on it: an H100's BARs (128 GiB and 32 MiB).
+    bars = 'device.capacity["gpu.nvidia.com"].addressableMemory.compareTo(quantity("256Gi")) == 0'
+    manifests.apply(
+        rest, claim_and_pod("vm", "vfio.gpu.nvidia.com", f"{bus_id} && {bars}", node.name), namespace
+    )
     wait_unschedulable(rest, namespace, "vm")
     assert bus(node).driver(address) == NVIDIA
 

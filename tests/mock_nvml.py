@@ -21,6 +21,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from dra_driver.devices.sim_sysfs import SimulatedKernel, gpu_tree
+from dra_driver.devices.types import Inventory
+
 REPO = Path(__file__).resolve().parents[1]
 NVML_SONAME = "libnvidia-ml.so.1"
 LIBRARY_DIR = "usr/lib/x86_64-linux-gnu"  # where a Debian/Ubuntu host keeps the driver's libraries
@@ -90,7 +93,7 @@ class MockNvml:
 
     def __init__(self) -> None:
         self._lib = ctypes.CDLL(str(mock_nvml_library()), mode=ctypes.RTLD_GLOBAL)
-        self._lib.mockNvmlConfigure.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p]
+        self._lib.mockNvmlConfigure.argtypes = [ctypes.c_char_p] * 4
         self._lib.mockNvmlControl.argtypes = [
             ctypes.c_char_p,
             ctypes.c_char_p,
@@ -99,11 +102,22 @@ class MockNvml:
         ]
 
     def configure(
-        self, machine: str = "", state_dir: Path | None = None, proc_root: Path | None = None
+        self,
+        machine: str = "",
+        state_dir: Path | None = None,
+        proc_root: Path | None = None,
+        sysfs_root: Path | None = None,
     ) -> None:
-        """A fresh machine for this process (e.g. ``dgxh100:2``: a DGX H100 with its first two GPUs)."""
+        """A fresh machine for this process (e.g. ``dgxh100:2``: a DGX H100 with its first two GPUs).
+
+        ``sysfs_root``: the node's sysfs tree (:func:`install_gpu_tree`), where a GPU bound off
+        nvidia is gone from NVML's view, as on a host.
+        """
         status = self._lib.mockNvmlConfigure(
-            machine.encode(), str(state_dir or "").encode(), str(proc_root or "").encode()
+            machine.encode(),
+            str(state_dir or "").encode(),
+            str(proc_root or "").encode(),
+            str(sysfs_root or "").encode(),
         )
         if status != 0:
             raise MockNvmlError(f"unknown mock machine {machine!r}")
@@ -152,3 +166,16 @@ def install_sysfs(sysfs: Path, gpus: list[tuple[str, str, str | None, int]]) -> 
         (path / "numa_node").write_text(f"{numa_node}\n")
         (links / bus_id).symlink_to(os.path.relpath(path, links))
     return sysfs
+
+
+def install_gpu_tree(sysfs: Path, inventory: Inventory) -> SimulatedKernel:
+    """The sysfs tree passthrough works on for the mock's GPUs, as the simulator builds its own.
+
+    Each GPU of ``inventory`` (read through NVML before the tree exists) on nvidia, alone in its
+    IOMMU group, with BARs sized from its memory (:func:`dra_driver.devices.sim_sysfs.gpu_tree`).
+    Returns the stand-in for the kernel that acts on the driver's writes into the tree: an
+    :class:`~dra_driver.devices.nvml.NvmlBackend` made with ``pci_write=kernel.write`` binds
+    there, and a mock configured with ``sysfs_root`` stops listing a GPU the tree has off nvidia.
+    """
+    gpu_tree(sysfs, inventory.gpus)
+    return SimulatedKernel(sysfs)

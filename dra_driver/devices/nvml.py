@@ -62,7 +62,7 @@ from dra_driver.devices.naming import (
 from dra_driver.devices.nvcaps import caps_major, ensure_node, read_capability
 from dra_driver.devices.nvml_calls import NvmlCalls
 from dra_driver.devices.nvml_policy import NvmlComputePolicy
-from dra_driver.devices.pci import PciBus
+from dra_driver.devices.pci import PciBus, Write
 from dra_driver.devices.topology import NVSWITCH_WITHOUT_ADDRESS
 from dra_driver.devices.types import (
     ComputePolicy,
@@ -140,7 +140,10 @@ class NvmlBackend:
     with host mounts; ``dev_root`` is the driver root when a driver container
     creates the device nodes there). ``read_only`` makes a backend that only reads: it
     reconciles no MIG mode, destroys no orphan and refuses every change (the hardware
-    report of ``hack/hardware-inventory.sh``).
+    report of ``hack/hardware-inventory.sh``). ``pci_write`` is how passthrough's writes into
+    sysfs reach the kernel: plain file writes on a node; where ``sysfs_root`` is a tree of files
+    (the tests, on the mock NVML), the stand-in for the kernel that acts on them
+    (:class:`~dra_driver.devices.sim_sysfs.SimulatedKernel`).
     """
 
     def __init__(
@@ -153,9 +156,11 @@ class NvmlBackend:
         state_dir: Path | None = None,
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
         read_only: bool = False,
+        pci_write: Write | None = None,
     ) -> None:
         self._read_only = read_only
         self._sysfs_root = sysfs_root
+        self._pci_write = pci_write
         self._procfs_root = procfs_root
         self._dev_root = dev_root
         self._nvml = NvmlCalls(call_timeout)
@@ -277,7 +282,9 @@ class NvmlBackend:
             raise DeviceError(f"cannot read the processes on GPU {gpu_uuid}: {e}") from None
 
     def pci(self) -> PciBus:
-        return PciBus(self._sysfs_root)
+        if self._pci_write is None:
+            return PciBus(self._sysfs_root)
+        return PciBus(self._sysfs_root, self._pci_write)
 
     def _check_writable(self, action: str) -> None:
         if self._read_only:

@@ -10,6 +10,7 @@ Passthrough (a GPU given whole to a virtual machine) needs the GPU bound to the 
     bus/pci/devices/<address>/iommu_group       -> kernel/iommu_groups/<group>
     bus/pci/devices/<address>/driver_override   the driver the next probe must pick, "(null)": any
     bus/pci/devices/<address>/vfio-dev/vfio<N>  the IOMMUFD cdev, while bound to vfio-pci
+    bus/pci/devices/<address>/resource          "start end flags" per BAR: what a VM must map
     bus/pci/drivers/<driver>/bind, unbind       write an address: bind or unbind that device
     kernel/iommu_groups/<group>/devices/*       every function in the group
     class/vfio/<group>/dev, class/misc/vfio/dev "major:minor" of /dev/vfio/<group>, /dev/vfio/vfio
@@ -41,6 +42,10 @@ VFIO_PCI = "vfio-pci"
 # (pcieport) stay with the host, and a function already on vfio-pci belongs to no host driver.
 _HARMLESS_DRIVERS = frozenset({VFIO_PCI, "pcieport"})
 
+_BARS = 6  # the lines of sysfs's resource file that are BARs; then the ROM and SR-IOV's
+_BAR_TYPE_MASK = 0x6  # PCI_BASE_ADDRESS_MEM_TYPE_MASK, kept in the resource's flags
+_BAR_TYPE_64 = 0x4  # PCI_BASE_ADDRESS_MEM_TYPE_64
+
 NVIDIA_VENDOR = "0x10de"
 # PCI classes of a GPU: VGA controller (0x0300) and 3D controller (0x0302), as nvpci reads them.
 _GPU_CLASSES = ("0x0300", "0x0302")
@@ -69,6 +74,9 @@ class PassthroughGpu:
     address: str  # "0000:3b:00.0"
     iommu_group: int
     iommufd: bool  # the kernel offers IOMMUFD (/dev/iommu and a cdev per device)
+    # The size of its 64-bit memory BARs, rounded up to a power of two: the window a VM's firmware
+    # must map for it (NVIDIA's addressableMemory); None where sysfs does not say.
+    addressable_memory: int | None = None
 
 
 def _write(path: Path, text: str) -> None:
@@ -116,8 +124,27 @@ class PciBus:
         for index, address in enumerate(self.nvidia_gpus()):
             group = self.iommu_group(address)
             if group is not None:
-                gpus[address] = PassthroughGpu(index, address, group, iommufd)
+                bars = self.addressable_memory(address)
+                gpus[address] = PassthroughGpu(index, address, group, iommufd, bars)
         return gpus
+
+    def addressable_memory(self, address: str) -> int | None:
+        """The bytes of the device's 64-bit memory BARs together, rounded up to a power of two.
+
+        As go-nvlib's ``GetTotalAddressableMemory`` reads ``resource`` for NVIDIA's driver: its first
+        six lines are the BARs, a BAR whose flags' type bits (``0x6``) say 64-bit (``0x4``) counts;
+        an H100's 128 GiB BAR1 and 32 MiB BAR3 make 256 GiB. None when the file cannot be read.
+        """
+        try:
+            lines = (self._device(address) / "resource").read_text().splitlines()[:_BARS]
+            total = 0
+            for line in lines:
+                start, end, flags = (int(field, 16) for field in line.split())
+                if end != start and flags & _BAR_TYPE_MASK == _BAR_TYPE_64:
+                    total += end - start + 1
+        except (OSError, ValueError):
+            return None
+        return 1 << (total - 1).bit_length() if total else 0
 
     def driver(self, address: str) -> str | None:
         """The driver ``address`` is bound to; None when it is bound to none."""

@@ -45,7 +45,7 @@ from dra_driver.devices.catalog import GpuModel
 from dra_driver.devices.pci import NVIDIA, PciBus
 from dra_driver.devices.sim_nodes import NVIDIA_MAJOR, NodeProfile, node_gpus, node_profile, profile_fabric
 from dra_driver.devices.sim_state import SimGpu, SimMigDevice, SimState, StateFile
-from dra_driver.devices.sim_sysfs import FIRST_GROUP, SimulatedKernel, add_function, build_tree
+from dra_driver.devices.sim_sysfs import SimulatedKernel, gpu_tree
 from dra_driver.devices.types import (
     ComputeMode,
     ComputePolicy,
@@ -245,15 +245,7 @@ class SimulatedBackend:
             self._pci = None
             try:
                 shutil.rmtree(self.sysfs_root, ignore_errors=True)
-                build_tree(self.sysfs_root, ())
-                for gpu, _ in self._gpus:
-                    add_function(
-                        self.sysfs_root,
-                        gpu.pci_bus_id,
-                        FIRST_GROUP + gpu.index,
-                        NVIDIA,
-                        device_id=gpu.pci_device_id,
-                    )
+                gpu_tree(self.sysfs_root, (gpu for gpu, _ in self._gpus))
                 self._sysfs_boot.write_text(boot_id)
             except OSError as error:
                 raise DeviceError(

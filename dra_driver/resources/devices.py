@@ -295,8 +295,9 @@ def passthrough_device(gpu: Gpu, place: PassthroughGpu) -> Device:
     """``gpu-vfio-<index>``: the GPU bound to vfio-pci for a virtual machine, as NVIDIA's driver has it.
 
     Its ``uuid`` is NVIDIA's too, a name-based UUID of the PCI address (the GPU's own uuid is
-    NVML's, which cannot be read while the GPU is on vfio-pci). NVIDIA's ``addressableMemory``
-    (the size of the GPU's memory BARs) is not published.
+    NVML's, which cannot be read while the GPU is on vfio-pci), and so is its ``addressableMemory``
+    capacity: the size of the GPU's 64-bit memory BARs as sysfs gives them, which a VM's firmware
+    must map (:meth:`~dra_driver.devices.pci.PciBus.addressable_memory`).
     """
     attributes: dict[str, DeviceAttribute] = {
         "type": {"string": PASSTHROUGH_TYPE},
@@ -314,7 +315,11 @@ def passthrough_device(gpu: Gpu, place: PassthroughGpu) -> Device:
     return {
         "name": require_dns_label(passthrough_device_name(place.index), "device name"),
         "attributes": attributes,
-        "capacity": {},
+        "capacity": (
+            {"addressableMemory": _capacity(place.addressable_memory)}
+            if place.addressable_memory is not None
+            else {}
+        ),
     }
 
 

@@ -147,7 +147,7 @@ def test_one_claim_shared_by_two_containers_and_two_pods(
 
 
 def test_mig_device_with_its_parent_and_caps_nodes(
-    driver: DriverRelease, real_api: client.ApiClient, namespace: str
+    driver: DriverRelease, real_node: RealNode, real_api: client.ApiClient, namespace: str
 ) -> None:
     template: dict[str, Any] = gpu_claim_template("mig", device_class="mig.dra-driver.dev")
     template["spec"]["spec"]["devices"]["requests"][0]["exactly"]["selectors"] = [
@@ -165,9 +165,15 @@ def test_mig_device_with_its_parent_and_caps_nodes(
     (device,) = allocated_devices(real_api, namespace, "mig")["mig"]
     parent = _minor(device)
     assert view.gpu_nodes == {f"/dev/nvidia{parent}": (NVIDIA_MAJOR, parent)}
-    # The GPU instance's and the compute instance's access capabilities, as nvidia-caps nodes.
+    # The GPU instance's and the compute instance's access capabilities, as nvidia-caps nodes, which
+    # the runtime made from the spec's numbers: the host has none of them (its driver root only the
+    # config and monitor capabilities, cap1 and cap2), as on a host where nvidia-modprobe never ran.
     assert len(view.cap_nodes) == 2
     assert {numbers[0] for numbers in view.cap_nodes.values()} == {CAPS_MAJOR}
+    assert real_node.layout is not None
+    for path in view.cap_nodes:
+        for host_dev in (Path("/"), real_node.layout.driver_root):
+            assert not (host_dev / path.lstrip("/")).exists(), f"{path} exists on the host"
     ((variable, uuid),) = view.uuids.items()
     assert variable == f"DRA_GPU_UUID_{device.upper().replace('-', '_')}"
     assert uuid.startswith("MIG-")

@@ -69,3 +69,21 @@ func (s *State) setTimeSlice(args []string) (string, error) {
 	g.TimeSlice = level
 	return "", nil
 }
+
+// busyPid is the process a busy GPU runs (`busy GPU on`), one per GPU.
+const busyPid = 4242
+
+// mockDeviceRunningProcess is the compute (or graphics) process on a full GPU, which passthrough
+// must see before it takes the GPU away: a busy GPU's one compute process; pid 0: none. The
+// machine runs no graphics.
+//
+//export mockDeviceRunningProcess
+func mockDeviceRunningProcess(function *C.char, device uintptr, compute C.int, pid *C.uint) C.int {
+	return gpuCall(C.GoString(function), device, func(s *State, gpu int) nvml.Return {
+		*pid = 0
+		if compute != 0 && s.Gpus[gpu].Busy {
+			*pid = C.uint(busyPid + gpu)
+		}
+		return nvml.SUCCESS
+	})
+}

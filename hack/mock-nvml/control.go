@@ -3,10 +3,12 @@ package main
 // The control interface: what an administrator or the hardware does to the machine, for tests.
 // Two C functions beside NVML's own, called through ctypes:
 //
-//	int mockNvmlConfigure(const char *machine, const char *stateDir, const char *procRoot)
+//	int mockNvmlConfigure(const char *machine, const char *stateDir, const char *procRoot,
+//	                      const char *sysfsRoot)
 //	    starts this process over on a new machine ("" = MOCK_NVML_MACHINE or dgxh100), state
-//	    directory ("" = private to the process) and procfs root for the capability files ("" =
-//	    none); whoever had NVML initialised in this process loses it.
+//	    directory ("" = private to the process), procfs root for the capability files ("" =
+//	    none) and sysfs root whose driver bindings hide GPUs off nvidia ("" = none hidden);
+//	    whoever had NVML initialised in this process loses it.
 //	int mockNvmlControl(const char *stateDir, const char *command, char *reply, unsigned int length)
 //	    runs one command on the machine whose state is in stateDir ("" = this process's): 0 and
 //	    the reply, or 1 and an error message.
@@ -52,7 +54,7 @@ import (
 )
 
 //export mockNvmlConfigure
-func mockNvmlConfigure(machine, stateDir, procRoot *C.char) C.int {
+func mockNvmlConfigure(machine, stateDir, procRoot, sysfsRoot *C.char) C.int {
 	procMu.Lock()
 	defer procMu.Unlock()
 	spec := C.GoString(machine)
@@ -67,7 +69,7 @@ func mockNvmlConfigure(machine, stateDir, procRoot *C.char) C.int {
 	}
 	initCount = 0 // whatever a previous user left initialised
 	procSpec = spec
-	procStore = &store{dir: C.GoString(stateDir), procRoot: C.GoString(procRoot)}
+	procStore = &store{dir: C.GoString(stateDir), procRoot: C.GoString(procRoot), sysfsRoot: C.GoString(sysfsRoot)}
 	eventSets = map[uint32]*eventSet{}
 	return 0
 }

@@ -73,7 +73,11 @@ func processStore() (*store, string) {
 		if procSpec == "" {
 			procSpec = "dgxh100"
 		}
-		procStore = &store{dir: os.Getenv(envStateDir), procRoot: os.Getenv(envProcRoot)}
+		procStore = &store{
+			dir:       os.Getenv(envStateDir),
+			procRoot:  os.Getenv(envProcRoot),
+			sysfsRoot: os.Getenv(envSysfsRoot),
+		}
 	}
 	return procStore, procSpec
 }
@@ -244,19 +248,25 @@ func mockDeviceGetCount(function *C.char, count *C.uint) C.int {
 		if count == nil {
 			return nvml.ERROR_INVALID_ARGUMENT
 		}
-		*count = C.uint(len(s.Gpus))
+		*count = C.uint(len(s.visibleGpus()))
 		return nvml.SUCCESS
 	})
 }
 
 //export mockDeviceGetHandleByIndex
 func mockDeviceGetHandleByIndex(function *C.char, index C.uint, device *uintptr) C.int {
-	// A lost GPU has no handle either: the lookup itself answers GPU_IS_LOST, as on hardware.
-	return withState(C.GoString(function), makeHandle(kindGPU, int(index)&0xff, 0, 0), func(s *State) nvml.Return {
-		if device == nil || int(index) >= len(s.Gpus) {
+	// The handle names the GPU's place in the machine, the index its place among those NVML sees
+	// (sysfs.go): no GPU is known before the lookup, so only faults for any GPU apply to it.
+	return withState(C.GoString(function), 0, func(s *State) nvml.Return {
+		visible := s.visibleGpus()
+		if device == nil || int(index) >= len(visible) {
 			return nvml.ERROR_INVALID_ARGUMENT
 		}
-		*device = makeHandle(kindGPU, int(index), 0, 0)
+		gpu := visible[index]
+		if s.Gpus[gpu].Lost {
+			return nvml.ERROR_GPU_IS_LOST // a lost GPU has no handle either, as on hardware
+		}
+		*device = makeHandle(kindGPU, gpu, 0, 0)
 		return nvml.SUCCESS
 	})
 }
@@ -269,6 +279,9 @@ func mockDeviceGetHandleByUUID(uuid *C.char, device *uintptr) C.int {
 			return nvml.ERROR_INVALID_ARGUMENT
 		}
 		for i, g := range s.Gpus {
+			if !s.onNvidia(i) {
+				continue // off nvidia (sysfs.go): NVML knows neither it nor its MIG devices
+			}
 			if g.UUID == wanted {
 				if g.Lost {
 					return nvml.ERROR_GPU_IS_LOST

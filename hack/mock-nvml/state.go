@@ -32,8 +32,11 @@ const (
 	envMachine  = "MOCK_NVML_MACHINE"   // dgxh100 (default), dgxh200, dgxa100, dgxb200, gb200nvl72, pcieh100nvl, l40s; ":N" keeps N GPUs
 	envStateDir = "MOCK_NVML_STATE_DIR" // where the state file lives; unset: private to the process
 	envProcRoot = "MOCK_NVML_PROC_ROOT" // where the kernel driver's /proc files go (nvidia-caps minors)
-	stateFile   = "state.json"
-	lockFile    = "state.lock"
+	// The host's sysfs: a GPU whose PCI device there is bound to another driver (vfio-pci) is gone
+	// from NVML's view, as on a host (sysfs.go).
+	envSysfsRoot = "MOCK_NVML_SYSFS_ROOT"
+	stateFile    = "state.json"
+	lockFile     = "state.lock"
 	// A GPU's minor number after a MIG-mode switch that renumbers it (see State.RenumberOnMigSwitch).
 	renumberOffset = 64
 )
@@ -113,10 +116,12 @@ type State struct {
 	RenumberOnMigSwitch bool `json:"renumberOnMigSwitch,omitempty"`
 	// The procfs root the kernel driver's capability files are written under, as the driver does
 	// when it creates GPU and compute instances ("": none written).
-	ProcRoot string  `json:"procRoot,omitempty"`
-	Gpus     []Gpu   `json:"gpus"`
-	Faults   []Fault `json:"faults,omitempty"`
-	Serial   uint64  `json:"serial"` // for MIG uuids and event sequence numbers
+	ProcRoot string `json:"procRoot,omitempty"`
+	// The sysfs root whose driver bindings say which GPUs NVML sees ("": all of them).
+	SysfsRoot string  `json:"sysfsRoot,omitempty"`
+	Gpus      []Gpu   `json:"gpus"`
+	Faults    []Fault `json:"faults,omitempty"`
+	Serial    uint64  `json:"serial"` // for MIG uuids and event sequence numbers
 }
 
 // machines are the systems NVIDIA's go-nvml mocks define, by the name MOCK_NVML_MACHINE takes.
@@ -174,12 +179,12 @@ func stableUUID(text string) string {
 	return fmt.Sprintf("%x-%x-%x-%x-%x", h[0:4], h[4:6], h[6:8], h[8:10], h[10:16])
 }
 
-func newState(spec, procRoot string) (*State, error) {
+func newState(spec, procRoot, sysfsRoot string) (*State, error) {
 	m, err := machineModel(spec)
 	if err != nil {
 		return nil, err
 	}
-	s := &State{Machine: spec, DriverVersion: m.driverVersion, CudaVersion: m.cudaVersion, ProcRoot: procRoot}
+	s := &State{Machine: spec, DriverVersion: m.driverVersion, CudaVersion: m.cudaVersion, ProcRoot: procRoot, SysfsRoot: sysfsRoot}
 	for i := range m.configs {
 		s.Gpus = append(s.Gpus, Gpu{
 			UUID:      "GPU-" + stableUUID(fmt.Sprintf("%s/%d", spec, i)),
@@ -213,12 +218,13 @@ func (s *State) next() uint64 {
 
 // store is one state: in this process, or in a directory shared with other processes.
 type store struct {
-	mu       sync.Mutex
-	dir      string // "" = in memory
-	procRoot string // for a new state
-	memory   *State
-	cached   []byte // the file's bytes when `parsed` was decoded from them
-	parsed   *State
+	mu        sync.Mutex
+	dir       string // "" = in memory
+	procRoot  string // for a new state
+	sysfsRoot string // for a new state
+	memory    *State
+	cached    []byte // the file's bytes when `parsed` was decoded from them
+	parsed    *State
 }
 
 // with runs fn on the current state under the store's locks and saves it if fn changed it.
@@ -227,7 +233,7 @@ func (st *store) with(spec string, fn func(*State) error) error {
 	defer st.mu.Unlock()
 	if st.dir == "" {
 		if st.memory == nil {
-			s, err := newState(spec, st.procRoot)
+			s, err := newState(spec, st.procRoot, st.sysfsRoot)
 			if err != nil {
 				return err
 			}
@@ -252,7 +258,7 @@ func (st *store) with(spec string, fn func(*State) error) error {
 	var s *State
 	switch {
 	case os.IsNotExist(err):
-		if s, err = newState(spec, st.procRoot); err != nil {
+		if s, err = newState(spec, st.procRoot, st.sysfsRoot); err != nil {
 			return err
 		}
 	case err != nil:

@@ -147,3 +147,38 @@ def test_a_reboot_puts_every_simulated_gpu_back_on_nvidia(tmp_path: Path) -> Non
     boot.write_text("two\n")
     assert len(node.inventory().gpus) == 8
     assert node.pci().driver(address) == NVIDIA
+
+
+# A real H100 SXM's resource file (lspci: BAR0 16M, BAR1 128G prefetchable 64-bit, BAR3 32M 64-bit);
+# the second line's empty BAR is BAR1's upper half, the seventh the expansion ROM.
+H100_RESOURCE = """\
+0x00000000e2000000 0x00000000e2ffffff 0x0000000000040200
+0x0000228000000000 0x0000229fffffffff 0x000000000014220c
+0x0000000000000000 0x0000000000000000 0x0000000000000000
+0x000022a000000000 0x000022a001ffffff 0x000000000014220c
+0x0000000000000000 0x0000000000000000 0x0000000000000000
+0x0000000000000000 0x0000000000000000 0x0000000000000000
+0x00000000e3000000 0x00000000e307ffff 0x0000000000046200
+"""
+
+
+def test_addressable_memory_is_the_64_bit_bars_rounded_up_to_a_power_of_two(
+    bus: PciBus, kernel: SimulatedKernel
+) -> None:
+    """As NVIDIA's driver reads it (go-nvlib's GetTotalAddressableMemory): 128 GiB + 32 MiB -> 256 GiB."""
+    (kernel.root / f"bus/pci/devices/{GPU}/resource").write_text(H100_RESOURCE)
+    assert bus.addressable_memory(GPU) == 256 << 30
+    assert bus.passthrough_gpus()[GPU].addressable_memory == 256 << 30
+    assert bus.addressable_memory(OTHER) is None  # no resource file: nothing to say
+
+
+def test_a_simulated_gpus_bars_are_sized_from_its_memory(tmp_path: Path) -> None:
+    node = SimulatedBackend("dgx-h100", "node-a", tmp_path)
+    address = node.inventory().gpus[0].pci_bus_id
+    # an H100's 80 GB: a 128 GiB BAR1 beside the 32 MiB BAR3, as the real file above has them
+    assert node.pci().addressable_memory(address) == 256 << 30
+    lines = (node.sysfs_root / f"bus/pci/devices/{address}/resource").read_text().splitlines()
+    assert len(lines) == len(H100_RESOURCE.splitlines()) + 6  # six SR-IOV BARs after the ROM
+    sizes = [int(end, 16) - int(start, 16) + 1 for start, end, _ in (line.split() for line in lines[:4])]
+    assert sizes[:2] == [16 << 20, 128 << 30]
+    assert sizes[3] == 32 << 20

@@ -40,7 +40,8 @@ is cancelled while every crash point still raises, and the threads it had starte
 SIGKILL ends them). The crashed instance is never called again.
 (MPS daemons are processes and survive a real SIGKILL; an in-process crash may stop them while
 unwinding, which the driver must cope with too.) A passthrough claim moves its GPU to vfio-pci on
-the simulated sysfs tree, which a crash copies and puts back with the rest, driver links included.
+the node's sysfs tree (the simulator's; on NVML, the same builder's tree of the mock's GPUs), which
+a crash copies and puts back with the rest, driver links included.
 
 The kinds, and the devices each may be allocated, are one table (:data:`KINDS`), with a column per
 node: :mod:`tests.node.test_state_model_nvml` runs the same machine on the NVML backend over the
@@ -150,7 +151,7 @@ class KindSpec:
 # One entry per kind. gpu-0 is a free H100 (full, or MIG devices the driver makes), gpu-1 an H100
 # with an administrator's (static) MIG device and room for 1g.10gb devices beside it, gpu-2/3 take
 # the sharing configs, gpu-4/5 the consumable shares; gpu-0 and gpu-3 also go to virtual machines
-# (on the simulated node only: the NVML backend's sysfs tree is the host's). Conflicting
+# (on both nodes: each has a sysfs tree of its GPUs, tests.mock_nvml.install_gpu_tree on NVML's). Conflicting
 # allocations are drawn on purpose: the scheduler never makes them, but a stale slice or a lost
 # state can, and the node is the last to refuse them.
 KINDS: dict[Kind, KindSpec] = {
@@ -186,7 +187,9 @@ KINDS: dict[Kind, KindSpec] = {
         config=gpu_config({"strategy": "MPS"}),
         changes_gpu_settings=True,
     ),
-    Kind.PASSTHROUGH: KindSpec(("gpu-vfio-0", "gpu-vfio-3"), passes_through=True),
+    Kind.PASSTHROUGH: KindSpec(
+        ("gpu-vfio-0", "gpu-vfio-3"), ("gpu-vfio-0", "gpu-vfio-3"), passes_through=True
+    ),
     # The node's one channel and one daemon device (on the simulated node only: the driver is the same
     # on NVML). Each holds all of its own "slices", so two claims of one device conflict.
     Kind.CHANNEL: KindSpec(("channel-0",), compute_domain="channel"),
@@ -231,7 +234,14 @@ SIMULATED_NODE = NodeShape(
 )
 # NVIDIA's H100 mock has 7 memory slices and a 3g.40gb of 3 (docs/mock-nvml.md); four 19 GiB shares
 # fit in its 80 GiB.
-NVML_NODE = NodeShape(7, {"1g10gb": 1, "3g40gb": 3}, "gpu-1-mig-3g40gb-2-0", 19, 80)
+NVML_NODE = NodeShape(
+    7,
+    {"1g10gb": 1, "3g40gb": 3},
+    "gpu-1-mig-3g40gb-2-0",
+    19,
+    80,
+    passthrough_of={"gpu-vfio-0": "gpu-0", "gpu-vfio-3": "gpu-3"},
+)
 STATIC_MIG = SIMULATED_NODE.static_mig
 # Issue 20: a claim rebuilt from its CDI spec keeps all that prepare recorded, its MIG device too,
 # so that its unprepare destroys that device even after the data directory was lost. False: such
@@ -726,7 +736,7 @@ class NodeStateModel(RuleBasedStateMachine):
             KINDS[c.kind].passes_through and c.units & claim.units for c in others
         ):
             return None  # a GPU on vfio-pci is gone from NVML's view, so not even looked at
-        if claim.device in self.mig_mode_kept:
+        if self.shape.passthrough_of.get(claim.device, claim.device) in self.mig_mode_kept:
             return None  # its MIG mode may stay on for good: who switched it on was lost
         if claim.hold is Hold.SHARE:
             shares = [c for c in others if c.hold is Hold.SHARE and c.device == claim.device]

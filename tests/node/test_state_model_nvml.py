@@ -4,7 +4,9 @@ The machine of :mod:`tests.node.test_state_model` (same rules, same reference mo
 comparisons after every step), with the hardware underneath swapped: six H100 of NVIDIA's go-nvml
 mock (``dgxh100:6``, see docs/mock-nvml.md), the driver's :class:`NvmlBackend` loaded from a driver
 root as on a host, dynamic MIG devices created and destroyed through NVML (MIG mode switched on and
-off with them), compute modes set through NVML and time slices through the mock's ``nvidia-smi``.
+off with them), compute modes set through NVML and time slices through the mock's ``nvidia-smi``,
+and passthrough claims moving GPUs to vfio-pci in a sysfs tree of the mock's GPUs
+(``install_gpu_tree``), whose bindings the mock reads: a GPU on vfio-pci is gone from NVML's view.
 
 How the GPUs behave across the machine's faults, and why that is honest:
 
@@ -13,8 +15,9 @@ How the GPUs behave across the machine's faults, and why that is honest:
   new :class:`NvmlBackend` (as a new process loads NVML; its start-up reconciles MIG mode and
   destroys orphaned GPU instances) and finds the MIG devices, MIG mode and compute modes the GPUs
   kept. Nothing the model does reboots the node, so nothing resets a GPU.
-* A crash leaves the GPUs as they were at the crash point: the mock's state directory and the
-  capability files it writes under the node's procfs are among the directories a crash puts back.
+* A crash leaves the GPUs as they were at the crash point: the mock's state directory, the
+  capability files it writes under the node's procfs and the sysfs tree (driver links included)
+  are among the directories a crash puts back.
 * The driver's record of the GPUs whose MIG mode it switched on lives in the data directory, so a
   lost state forgets it: such a GPU stays in MIG mode (it cannot be told from an administrator's)
   and its full GPU is no longer given. The model counts that GPU as kept in MIG mode for good.
@@ -26,7 +29,7 @@ import dataclasses
 import json
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +38,12 @@ from hypothesis import settings
 
 from dra_driver.cdi.spec import common_edits
 from dra_driver.devices.nvml import NvmlBackend
+from dra_driver.devices.pci import PciBus
 from dra_driver.devices.types import Inventory
 from dra_driver.node.preparer import NodePreparer
 from dra_driver.node.sharing.mps_local import LocalMpsDaemons
 from dra_driver.resources.naming import mig_device_name
-from tests.mock_nvml import MockNvml, install_driver_root, install_procfs
+from tests.mock_nvml import MockNvml, install_driver_root, install_gpu_tree, install_procfs
 
 from .builders import DRIVER, NODE, InMemoryClaims, Node, RecordingObserver
 from .test_state_model import (
@@ -76,7 +80,8 @@ class NvmlNodeStateModel(NodeStateModel):
         boot.write_text(f"{uuid.uuid4()}\n")
         (self.root / "boot_id").write_text(boot.read_text())  # --boot-id-file
         self.driver_root = install_driver_root(self.root / "driver-root")
-        self.mock.configure(MACHINE, state_dir=self.gpus, proc_root=self.procfs)
+        self.sysfs = self.root / "sys"  # the GPUs' tree, made once NVML has named them (below)
+        self.mock.configure(MACHINE, state_dir=self.gpus, proc_root=self.procfs, sysfs_root=self.sysfs)
         # The mock's nvidia-smi, which the driver runs to set a time slice, finds the GPUs here.
         self._environment = os.environ.get("MOCK_NVML_STATE_DIR")
         os.environ["MOCK_NVML_STATE_DIR"] = str(self.gpus)
@@ -94,6 +99,12 @@ class NvmlNodeStateModel(NodeStateModel):
         self._profiles = {
             (gpu.minor, p.profile_id): p.name for gpu in inventory.gpus for p in gpu.mig_profiles
         }
+        # Passthrough moves GPUs in the tree; the mock stops listing a GPU that is off nvidia there.
+        self.kernel = install_gpu_tree(self.sysfs, inventory)
+        self.passthrough = PciBus(self.sysfs).passthrough_gpus()  # as with --passthrough on
+        self.gpu_addresses = {f"gpu-{gpu.minor}": gpu.pci_bus_id for gpu in inventory.gpus}
+        for device, gpu in self.shape.passthrough_of.items():
+            assert f"gpu-vfio-{self.passthrough[self.gpu_addresses[gpu]].index}" == device
         return Node(self.root, observer, InMemoryClaims(), RecordingObserver())  # type: ignore[arg-type]
 
     def hardware(self, *command: Any) -> str:
@@ -102,23 +113,25 @@ class NvmlNodeStateModel(NodeStateModel):
 
     def _backend(self, read_only: bool = False) -> NvmlBackend:
         backend = NvmlBackend(
+            sysfs_root=self.sysfs,
             procfs_root=self.procfs,
             dev_root=self.driver_root,
             driver_root=self.driver_root,
             state_dir=None if read_only else self.data_dir,
             call_timeout=CALL_TIMEOUT_S,
             read_only=read_only,
+            pci_write=None if read_only else self.kernel.write,
         )
         self.backends.append(backend)
         return backend
 
     def _hardware_dirs(self) -> tuple[Path, ...]:
-        return (self.gpus, self.procfs)
+        return (self.gpus, self.procfs, self.sysfs)
 
     def _new_preparer(self) -> NodePreparer:
         """A new process: its own NVML backend, which reconciles MIG mode and orphans as it starts."""
         backend = self._backend()
-        watch = _InventoryWatch(backend, self.gpus / MOCK_STATE_FILE)
+        watch = _InventoryWatch(backend, self.gpus / MOCK_STATE_FILE, self.gpu_addresses.values())
         node = self.node
         return NodePreparer(
             driver_name=DRIVER,
@@ -134,6 +147,7 @@ class NvmlNodeStateModel(NodeStateModel):
             observer=node.observer,
             mps=self.mps,
             consumable=True,
+            passthrough=self.passthrough,
         )
 
     @property
@@ -188,19 +202,23 @@ class _InventoryWatch:
 
     The app reads the inventory once, takes the one a MIG change reads after it, and re-reads it
     periodically; here the periodic read has always happened before the kubelet's next call: the
-    view is read again whenever the GPUs' MIG layout changed since (another instance made or
-    destroyed a MIG device). An inventory through NVML takes long; the mock's state file, a moment.
+    view is read again whenever the GPUs' MIG layout or their drivers changed since (another
+    instance made or destroyed a MIG device, or moved a GPU to vfio-pci or back). An inventory
+    through NVML takes long; the mock's state file and the sysfs links, a moment.
     """
 
-    def __init__(self, backend: NvmlBackend, hardware: Path) -> None:
+    def __init__(self, backend: NvmlBackend, hardware: Path, addresses: Iterable[str]) -> None:
         self._backend = backend
         self._hardware = hardware
+        self._addresses = tuple(addresses)
         self._seen = self._layout()
         self._inventory = backend.inventory()
 
     def _layout(self) -> str:
         gpus = json.loads(self._hardware.read_bytes())["gpus"]
-        return json.dumps([(gpu["migCurrent"], gpu["gpuInstances"]) for gpu in gpus])
+        bus = self._backend.pci()
+        drivers = [bus.driver(address) for address in self._addresses]
+        return json.dumps([[(gpu["migCurrent"], gpu["gpuInstances"]) for gpu in gpus], drivers])
 
     def current(self) -> Inventory:
         now = self._layout()

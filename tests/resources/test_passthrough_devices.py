@@ -14,10 +14,12 @@ from dra_driver.resources.wire import Device
 
 from .factories import a100_40gb, h100, inventory, mig_device
 
+H100_BARS = 256 << 30  # an H100's 64-bit BARs (128 GiB and 32 MiB), rounded up as NVIDIA's driver does
 
-def places(*gpus: Gpu, iommufd: bool = False) -> dict[str, PassthroughGpu]:
+
+def places(*gpus: Gpu, iommufd: bool = False, bars: int | None = H100_BARS) -> dict[str, PassthroughGpu]:
     return {
-        gpu.pci_bus_id: PassthroughGpu(index, gpu.pci_bus_id, 20 + index, iommufd)
+        gpu.pci_bus_id: PassthroughGpu(index, gpu.pci_bus_id, 20 + index, iommufd, bars)
         for index, gpu in enumerate(sorted(gpus, key=lambda g: g.pci_bus_id))
     }
 
@@ -49,6 +51,13 @@ def test_each_gpu_gets_nvidias_passthrough_device() -> None:
         "resource.kubernetes.io/pciBusID": {"string": "0000:19:00.0"},
         "resource.kubernetes.io/pcieRoot": {"string": "pci0000:18"},
     }
+    # NVIDIA's one capacity of a passthrough device: the window a VM's firmware maps for the GPU
+    assert vfio["capacity"] == {"addressableMemory": {"value": str(H100_BARS)}}
+
+
+def test_a_passthrough_device_whose_bars_sysfs_does_not_give_has_no_addressable_memory() -> None:
+    built = devices(build_devices(inventory(h100(0)), passthrough=places(h100(0), bars=None)))
+    assert built["gpu-vfio-0"]["capacity"] == {}
 
 
 @pytest.mark.parametrize("partition", [partition_all, partition_none], ids=["dynamic-mig", "no-mig"])
