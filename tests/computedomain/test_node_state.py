@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from dra_driver.cdi.store import SpecStore
+from dra_driver.cdi.validate import minimum_version
 from dra_driver.computedomain.api import (
     ChannelAllocationMode,
     ComputeDomain,
@@ -178,8 +179,9 @@ def test_two_specs_of_one_channel_after_a_lost_store_keep_one_claim_and_report_t
     first, second = channel_claim(claims, cd), channel_claim(claims, cd)
     asyncio.run(preparer(tmp_path, domains, claims).prepare([first]))
     cdi = SpecStore(tmp_path / "cdi", NAMES.driver)
-    copied = json.dumps(cdi.read(first.uid)).replace(first.uid, second.uid)
-    cdi.write(second.uid, json.loads(copied))
+    copied = json.loads(json.dumps(cdi.read(first.uid)).replace(first.uid, second.uid))
+    copied["cdiVersion"] = minimum_version(copied)  # a device name that starts with a digit needs 0.5.0
+    cdi.write(second.uid, copied)
     (tmp_path / STORE_FILE).unlink()
 
     restarted = preparer(tmp_path, domains, claims)
