@@ -373,6 +373,11 @@ class SimulatedBackend:
                 "`dra-driver simulate mig-creation --mode ok` ends it)"
             )
 
+    def set_host_imex(self, state: Literal["ready", "stopped"]) -> None:
+        """Start or stop the node's simulated host nvidia-imex service (:mod:`.host_imex`)."""
+        with self._changing() as current:
+            current.host_imex = state
+
     def inject_xid(self, gpu: str | int, xid: int) -> None:
         """Record an Xid event on a GPU, as the kernel driver would report it."""
         target, _ = self._resolve(gpu)
