@@ -34,9 +34,9 @@ from dra_driver.devices.driver_root import (
 )
 from dra_driver.devices.faults import FaultKind, NodeFaults
 from dra_driver.devices.health import HealthSource, open_health_source
-from dra_driver.devices.host_imex import HostImex, NvidiaImexCtl, SimulatedHostImex
+from dra_driver.devices.host_imex import HostImex, NvidiaImexCtl
 from dra_driver.devices.pci import PassthroughGpu
-from dra_driver.devices.simulated import STATE_FILE_NAME
+from dra_driver.devices.simulated import STATE_FILE_NAME, SimulatedHostImex
 from dra_driver.devices.types import HealthState, Inventory
 from dra_driver.errors import StartupError
 from dra_driver.informer import list_and_watch

@@ -9,7 +9,8 @@ daemon's state once over its command socket) run inside the driver root, ready w
 ``IMEX_CMD_ENABLED=1`` and ``IMEX_CMD_UNIX_DOMAIN_PATH`` to that socket.
 
 On a simulated node the "host daemon" is one flag of the node's simulated state (``dra-driver
-simulate host-imex --state ready|stopped``); its answers read like the real check's.
+simulate host-imex --state ready|stopped``, :class:`dra_driver.devices.simulated.SimulatedHostImex`);
+its answers read like the real check's.
 
 A check returns None when the daemon is ready, else the one-line reason; it blocks (a subprocess,
 or a file read) and is called through a worker thread.
@@ -22,7 +23,6 @@ from pathlib import Path
 from typing import Protocol
 
 from dra_driver.devices.driver_root import find_in
-from dra_driver.devices.sim_state import StateFile
 
 IMEX_CTL = "nvidia-imex-ctl"
 DEFAULT_SOCKET = "/etc/nvidia-imex/imex_ctrl.sock"
@@ -78,19 +78,3 @@ class NvidiaImexCtl:
         except OSError as error:
             return f"error running {IMEX_CTL} (socket {self.socket!r}): {error}"
         return judge(run.returncode, run.stdout + run.stderr, self.socket)
-
-
-class SimulatedHostImex:
-    """A simulated node's host daemon: ready unless ``simulate host-imex --state stopped`` stopped it."""
-
-    def __init__(self, state_file: Path, socket: str = DEFAULT_SOCKET) -> None:
-        self._state = StateFile(state_file)
-        self.socket = socket
-
-    def not_ready(self) -> str | None:
-        if self._state.read().host_imex == "ready":
-            return None
-        return (
-            f"error running {IMEX_CTL} (socket {self.socket!r}): the host's nvidia-imex service is not "
-            "running (simulated; `dra-driver simulate host-imex --state ready` starts it)"
-        )
