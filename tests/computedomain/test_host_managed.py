@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +209,21 @@ def test_a_simulated_nodes_host_daemon_is_ready_until_stopped(tmp_path: Path) ->
 
     backend.set_host_imex("ready")
     assert check.not_ready() is None
+
+
+def test_the_simulate_command_stops_and_starts_a_nodes_host_daemon(tmp_path: Path) -> None:
+    check = SimulatedHostImex(tmp_path / STATE_FILE_NAME)
+    common = ["--simulate", "gb200-tray", "--node-name", "tray-1", "--data-dir", str(tmp_path)]
+    for state, ready in (("stopped", False), ("ready", True)):
+        run = subprocess.run(
+            [sys.executable, "-m", "dra_driver", "simulate", "host-imex", "--state", state, *common],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert run.returncode == 0, run.stderr
+        assert (check.not_ready() is None) is ready
 
 
 # --- the controller ----------------------------------------------------------------------------------
