@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -194,6 +196,40 @@ def test_the_real_check_runs_the_hosts_tool_inside_the_driver_root(tmp_path: Pat
         "-q",
         "--u=/run/imex.sock",
     ]
+
+
+BUSYBOX = shutil.which("busybox")
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or BUSYBOX is None, reason="chroot needs root; the fake tool needs a static busybox"
+)
+@pytest.mark.parametrize(
+    ("answer", "status", "reason"),
+    [
+        ("READY", 0, None),
+        ("UNAVAILABLE", 0, "host nvidia-imex daemon not ready: UNAVAILABLE --u=/run/imex.sock"),
+        (
+            "connect failed",
+            3,
+            "error running nvidia-imex-ctl (socket '/run/imex.sock'): exit status 3, output: "
+            "connect failed --u=/run/imex.sock",
+        ),
+    ],
+)
+def test_the_real_check_asks_the_tool_in_the_driver_root_over_the_socket(
+    tmp_path: Path, answer: str, status: int, reason: str | None
+) -> None:
+    # A driver root with a shell and an nvidia-imex-ctl that answers as told and echoes its socket flag.
+    assert BUSYBOX is not None
+    (tmp_path / "bin").mkdir()
+    shutil.copy(BUSYBOX, tmp_path / "bin" / "sh")
+    tool = tmp_path / "usr" / "bin" / IMEX_CTL
+    tool.parent.mkdir(parents=True)
+    tool.write_text(f'#!/bin/sh\necho "{answer} $2"\nexit {status}\n')
+    tool.chmod(0o755)
+
+    assert NvidiaImexCtl(tmp_path, "/run/imex.sock").not_ready() == reason
 
 
 def test_a_simulated_nodes_host_daemon_is_ready_until_stopped(tmp_path: Path) -> None:
