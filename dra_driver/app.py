@@ -34,8 +34,9 @@ from dra_driver.devices.driver_root import (
 )
 from dra_driver.devices.faults import FaultKind, NodeFaults
 from dra_driver.devices.health import HealthSource, open_health_source
+from dra_driver.devices.host_imex import HostImex, NvidiaImexCtl
 from dra_driver.devices.pci import PassthroughGpu
-from dra_driver.devices.simulated import STATE_FILE_NAME
+from dra_driver.devices.simulated import STATE_FILE_NAME, SimulatedHostImex
 from dra_driver.devices.types import HealthState, Inventory
 from dra_driver.errors import StartupError
 from dra_driver.informer import list_and_watch
@@ -523,7 +524,17 @@ def compute_domain_plugin(
         registry_dir=settings.registry_dir,
         pod_uid=settings.pod_uid or None,
         simulated=bool(settings.simulate),
+        host_imex=host_imex(settings),
     )
+
+
+def host_imex(settings: Settings) -> HostImex | None:
+    """The check of the host's nvidia-imex daemon in the host-managed IMEX mode; None: driver-managed."""
+    if not settings.host_managed_imex:
+        return None
+    if settings.simulate:
+        return SimulatedHostImex(settings.state_dir / STATE_FILE_NAME, settings.imex_host_socket_path)
+    return NvidiaImexCtl(settings.driver_root_mount or settings.driver_root, settings.imex_host_socket_path)
 
 
 async def _serve(

@@ -216,6 +216,12 @@ def _parser() -> argparse.ArgumentParser:
                 help="held: creations wait until ok (or failing); failing: they fail; ok: they work",
             )
         action.set_defaults(run=_simulate)
+    host_imex = actions.add_parser(
+        "host-imex", help="start or stop the node's host nvidia-imex service (host-managed IMEX mode)"
+    )
+    add_settings_flags(host_imex, _SIMULATE_SETTINGS)
+    host_imex.add_argument("--state", choices=("ready", "stopped"), required=True, help="the service's state")
+    host_imex.set_defaults(run=_simulate, gpu="")
 
     add_compute_domain_commands(commands)
     return parser
@@ -399,6 +405,8 @@ def _apply_simulation(backend: SimulatedBackend, args: argparse.Namespace, gpu: 
         backend.admin_set_mig_mode(gpu, not args.off)
     elif args.action == "mig-creation":
         backend.set_mig_creation(gpu, args.mode)
+    elif args.action == "host-imex":
+        backend.set_host_imex(args.state)
 
 
 if __name__ == "__main__":

@@ -124,6 +124,21 @@ class Settings(BaseModel):
             "compute-domain.<domain> on nodes whose GPUs share one NVLink clique."
         ),
     ] = True
+    host_managed_imex: Annotated[
+        bool,
+        Field(
+            description="Host-managed IMEX (NVIDIA's HostManagedIMEXDaemon): the host runs nvidia-imex "
+            "as a service; the node publishes no IMEX daemon device and hands out channel 0 once "
+            "nvidia-imex-ctl reports the host's daemon READY. The controller's setting must match."
+        ),
+    ] = False
+    imex_host_socket_path: Annotated[
+        str,
+        Field(
+            description="The host nvidia-imex daemon's command socket (its IMEX_CMD_UNIX_DOMAIN_PATH), "
+            "under the driver root, that the host-managed IMEX mode's readiness check queries."
+        ),
+    ] = "/etc/nvidia-imex/imex_ctrl.sock"
     kubeconfig: Annotated[
         Path | None,
         Field(description="Kubeconfig file; unset: the in-cluster service account."),
@@ -414,6 +429,16 @@ class Settings(BaseModel):
         value = value.strip()
         if value:
             http_host_port(value)
+        return value
+
+    @field_validator("imex_host_socket_path")
+    @classmethod
+    def _absolute_socket(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError(
+                f"{value!r} is not an absolute path; give the socket as the host's nvidia-imex config "
+                "names it (IMEX_CMD_UNIX_DOMAIN_PATH), e.g. /etc/nvidia-imex/imex_ctrl.sock"
+            )
         return value
 
     @field_validator("procfs_root")

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,7 +113,15 @@ class ControllerProcess:
     # leader miss its renew deadline (2/3 of it) and exit, with no Deployment here to restart it.
     LEASE_SECONDS = 9.0
 
-    def __init__(self, kubeconfig: Path, namespace: str, log: Path, ready_timeout: float, name: str) -> None:
+    def __init__(
+        self,
+        kubeconfig: Path,
+        namespace: str,
+        log: Path,
+        ready_timeout: float,
+        name: str,
+        extra_args: Sequence[str] = (),
+    ) -> None:
         self.namespace = namespace
         self.name = name
         self._argv = [
@@ -129,6 +138,7 @@ class ControllerProcess:
             f"--lease-name={self.LEASE}",
             f"--lease-duration-seconds={self.LEASE_SECONDS}",
             "--log-format=console",
+            *extra_args,
         ]
         self.daemon = Daemon(f"compute-domain-controller[{name}]", log)
         self._offset = 0

@@ -704,7 +704,7 @@ def test_nvidias_gates_for_what_the_driver_always_does_are_accepted(helm: Path) 
         "MPSSupport": True,
         "PassthroughSupport": False,
         "IMEXDaemonsWithDNSNames": True,
-        "HostManagedIMEXDaemon": False,
+        "HostManagedIMEXDaemon": False,  # the default: driver-managed IMEX daemons
     }
     assert render(helm, {"featureGates": gates}) == render(helm)
 
@@ -761,14 +761,15 @@ def test_nvidias_passthrough_gate_sets_passthrough_and_brings_nvidias_class(
         )
 
 
-def test_nvidias_dns_names_gate_wins_over_its_value_and_reaches_the_controller(helm: Path) -> None:
-    def controller_env(manifests: list[Manifest]) -> dict[str, Any]:
-        (deployment,) = [
-            d for d in of_kind(manifests, "Deployment") if d["metadata"]["name"].endswith("-controller")
-        ]
-        (container,) = deployment["spec"]["template"]["spec"]["containers"]
-        return {e["name"]: e for e in container["env"]}
+def controller_env(manifests: list[Manifest]) -> dict[str, Any]:
+    (deployment,) = [
+        d for d in of_kind(manifests, "Deployment") if d["metadata"]["name"].endswith("-controller")
+    ]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e for e in container["env"]}
 
+
+def test_nvidias_dns_names_gate_wins_over_its_value_and_reaches_the_controller(helm: Path) -> None:
     assert controller_env(render(helm))["DRA_IMEX_DAEMONS_WITH_DNS_NAMES"]["value"] == "true"
     off = {"computeDomainController": {"imexDaemonsWithDNSNames": False}}
     assert controller_env(render(helm, off))["DRA_IMEX_DAEMONS_WITH_DNS_NAMES"]["value"] == "false"
@@ -777,9 +778,50 @@ def test_nvidias_dns_names_gate_wins_over_its_value_and_reaches_the_controller(h
     assert render(helm, {"featureGates": {"IMEXDaemonsWithDNSNames": False}}) == render(helm, off)
 
 
-def test_the_host_managed_imex_mode_is_refused_with_the_reason(helm: Path) -> None:
-    error = render_error(helm, {"featureGates": {"HostManagedIMEXDaemon": True}})
-    assert "featureGates.HostManagedIMEXDaemon=true: the host-managed IMEX mode is not supported" in error
+@pytest.mark.parametrize("enabled", [True, False])
+def test_nvidias_host_managed_imex_gate_wins_over_its_value_and_reaches_plugin_and_controller(
+    helm: Path, enabled: bool
+) -> None:
+    by_gate = render(
+        helm, {"hostManagedImex": not enabled, "featureGates": {"HostManagedIMEXDaemon": enabled}}
+    )
+
+    assert by_gate == render(helm, {"hostManagedImex": enabled})
+    assert plugin_env(by_gate)["DRA_HOST_MANAGED_IMEX"]["value"] == str(enabled).lower()
+    assert controller_env(by_gate)["DRA_HOST_MANAGED_IMEX"]["value"] == str(enabled).lower()
+
+
+def test_with_host_managed_imex_no_daemon_may_run_and_the_controller_may_create_no_daemonsets(
+    helm: Path,
+) -> None:
+    def granted(manifests: list[Manifest]) -> set[str]:
+        """What the chart's Roles and ClusterRoles grant on, by resource."""
+        return {
+            resource
+            for role in of_kind(manifests, "Role") + of_kind(manifests, "ClusterRole")
+            for rule in role["rules"]
+            for resource in rule.get("resources", [])
+        }
+
+    def names(manifests: list[Manifest]) -> set[str]:
+        return {m["metadata"]["name"] for m in manifests}
+
+    driver_managed = render(helm)
+    host_managed = render(helm, {"featureGates": {"HostManagedIMEXDaemon": True}})
+
+    assert {"daemonsets", "computedomaincliques"} <= granted(driver_managed)
+    assert not {"daemonsets", "computedomaincliques"} & granted(host_managed)
+    assert "compute-domain-daemon" in names(of_kind(driver_managed, "ServiceAccount"))
+    assert "compute-domain-daemon" not in names(of_kind(host_managed, "ServiceAccount"))
+    gone = names(driver_managed) - names(host_managed)
+    assert gone == {
+        "compute-domain-daemon",
+        "compute-domain-daemon.dra-driver.dev",
+        "gpu-dra-driver-gpu-compute-domain-daemon",
+    }
+    # What stays: the CRDs, the channel's DeviceClass and the controller with its Lease.
+    assert "compute-domain-default-channel.dra-driver.dev" in names(of_kind(host_managed, "DeviceClass"))
+    assert "leases" in granted(host_managed)
 
 
 def test_an_unknown_feature_gate_is_refused(helm: Path) -> None:

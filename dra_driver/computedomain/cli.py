@@ -44,6 +44,12 @@ _CONTROLLER: list[tuple[str, Any, str]] = [
     ("lease_name", "compute-domain-controller", "the Lease (in --namespace) the replicas elect a leader on"),
     ("lease_duration_seconds", 15.0, "a leader not renewing its Lease for this long is replaced"),
     _DNS_NAMES,
+    # NVIDIA's HostManagedIMEXDaemon: the node daemons' setting of the same name must match.
+    (
+        "host_managed_imex",
+        False,
+        "the hosts run nvidia-imex as a service: create no IMEX DaemonSets, only channel templates",
+    ),
 ]
 _DAEMON: list[tuple[str, Any, str]] = [
     ("imex_config_dir", "/imexd", "where prepare mounted the daemon's imexd.cfg and nodes_config.cfg"),
@@ -148,6 +154,7 @@ def _controller(args: argparse.Namespace) -> int:
                 daemon_ready_timeout=args.daemon_ready_timeout_seconds,
                 resync_seconds=args.resync_seconds,
                 dns_names=args.imex_daemons_with_dns_names,
+                host_managed_imex=args.host_managed_imex,
             )
             # Only the Lease's holder reconciles; a replica that loses it exits (and is restarted).
             await LeaderElector(JsonApi(api), lease).run(controller.run)

@@ -14,7 +14,10 @@ Reconciling a domain (see :mod:`dra_driver.computedomain.objects` for the object
    the channel templates when it starts to lead), not only from the node labels, which appear only
    once a workload lands: two domains created together get a clique each;
 3. create the daemon's ResourceClaimTemplate and DaemonSet and the workload channel's
-   ResourceClaimTemplate, re-creating any that was removed;
+   ResourceClaimTemplate, re-creating any that was removed (in the host-managed IMEX mode only the
+   channel's, asking for channel 0, and the domain is Ready: the hosts run ``nvidia-imex``, each
+   node checks its own when it prepares a channel, and steps 4 and the DaemonSet's deletion below
+   do not apply);
 4. copy the daemons' entries of the domain's ComputeDomainCliques into ``status.nodes``, after
    dropping the entries of nodes the domain's workloads left, and judge readiness: Ready once
    ``numNodes`` daemons on the clique report Ready; a daemon that stays not ready past the timeout
@@ -95,6 +98,7 @@ class ComputeDomainController:
         resync_seconds: float = 600.0,
         workers: int = 2,
         dns_names: bool = True,
+        host_managed_imex: bool = False,
     ) -> None:
         self.names = Names(gpu_driver)
         self._kube = JsonApi(api)
@@ -104,6 +108,7 @@ class ComputeDomainController:
         self._resync = resync_seconds
         self._workers = workers
         self._dns_names = dns_names
+        self._host_managed = host_managed_imex  # the hosts run nvidia-imex: no daemons of ours
         self.queue = WorkQueue()
         self._keys: dict[str, str] = {}  # domain uid -> namespace/name
         self._not_ready_since: dict[tuple[str, str], float] = {}  # (uid, node) -> monotonic time
@@ -125,30 +130,30 @@ class ComputeDomainController:
                 self._on_slice,
                 resync_seconds=self._resync,
             ),
-            list_and_watch(
-                self._kube,
-                "/api/v1/nodes",
-                self._on_owned,
-                resync_seconds=self._resync,
-                label_selector=self.names.label,
-            ),
-            list_and_watch(
-                self._kube,
-                self._cliques_path,
-                self._on_owned,
-                resync_seconds=self._resync,
-                label_selector=self.names.label,
-            ),
-            list_and_watch(
-                self._kube,
-                f"/apis/apps/v1/namespaces/{self._namespace}/daemonsets",
-                self._on_owned,
-                resync_seconds=self._resync,
-                label_selector=self.names.label,
-            ),
             *(self._worker() for _ in range(self._workers)),
         ]
-        log.info("compute-domain controller running", group=self.names.group, namespace=self._namespace)
+        if not self._host_managed:  # the nodes' labels, the daemons' cliques and their DaemonSets
+            owned = (
+                "/api/v1/nodes",
+                self._cliques_path,
+                f"/apis/apps/v1/namespaces/{self._namespace}/daemonsets",
+            )
+            loops += [
+                list_and_watch(
+                    self._kube,
+                    path,
+                    self._on_owned,
+                    resync_seconds=self._resync,
+                    label_selector=self.names.label,
+                )
+                for path in owned
+            ]
+        log.info(
+            "compute-domain controller running",
+            group=self.names.group,
+            namespace=self._namespace,
+            imex="host-managed" if self._host_managed else "driver-managed",
+        )
         try:
             async with asyncio.TaskGroup() as tasks:
                 for loop in loops:
@@ -282,6 +287,9 @@ class ComputeDomainController:
             clique = choice.clique
             self.placed[domain.metadata.uid] = Placement.of(domain, clique)
 
+        if self._host_managed:
+            await self._set_up_host_managed(path, obj, domain, template, clique)
+            return None
         await self._ensure(
             self._daemon_template_path(domain), daemon_template(self.names, domain, self._namespace, clique)
         )
@@ -302,6 +310,29 @@ class ComputeDomainController:
             return 0.0  # read the new status afresh
         failures = {node: why for node, why in daemon_failures(cliques).items() if node in members}
         return await self._judge(path, obj, domain, clique, members, failures)
+
+    async def _set_up_host_managed(
+        self, path: str, obj: Json, domain: ComputeDomain, template: Json | None, clique: str
+    ) -> None:
+        """The host-managed IMEX mode: the channel template alone, and the domain Ready at once.
+
+        No DaemonSet, no daemon template, no cliques: the hosts' own nvidia-imex daemons serve the
+        domain, and each node checks its daemon when it prepares a channel (NVIDIA's controller
+        likewise reports such a domain Ready once its template exists).
+        """
+        if template is None:
+            template_path = self._template_path(domain)
+            await self._ensure(template_path, channel_template(self.names, domain, clique, host_managed=True))
+            log.info(
+                "ComputeDomain set up",
+                domain=f"{domain.metadata.namespace}/{domain.metadata.name}",
+                clique=clique,
+            )
+        message = (
+            f"placed on clique {clique}; the nodes' own nvidia-imex daemons serve it (host-managed IMEX), "
+            "each checked when a workload's channel is prepared"
+        )
+        await self._set_status(path, obj, domain, "HostManagedIMEX", message, True)
 
     async def _judge(
         self,
@@ -363,13 +394,14 @@ class ComputeDomainController:
             message = f"waiting for the workloads on node(s) {', '.join(sorted(members))} to end"
             await self._set_status(path, obj, domain, "Deleting", message, False)
             return _DELETE_POLL_S
-        await self._kube.delete(self._daemon_set_path(domain))
-        await self._kube.delete(self._daemon_template_path(domain))
-        cliques = await self._kube.list(
-            self._cliques_path, labelSelector=f"{self.names.label}={domain.metadata.uid}"
-        )
-        for item in cliques.get("items") or []:
-            await self._kube.delete(f"{self._cliques_path}/{item['metadata']['name']}")
+        if not self._host_managed:  # which made none of these
+            await self._kube.delete(self._daemon_set_path(domain))
+            await self._kube.delete(self._daemon_template_path(domain))
+            cliques = await self._kube.list(
+                self._cliques_path, labelSelector=f"{self.names.label}={domain.metadata.uid}"
+            )
+            for item in cliques.get("items") or []:
+                await self._kube.delete(f"{self._cliques_path}/{item['metadata']['name']}")
         finalizers = [f for f in domain.metadata.finalizers if f != self.names.finalizer]
         await self._kube.merge_patch(
             path,

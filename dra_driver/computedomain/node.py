@@ -12,6 +12,11 @@ the daemon starts here), and succeed only once that daemon reports Ready in the 
 until then the kubelet retries and the pod waits, as with NVIDIA's driver. The CDI spec gives the
 container ``/dev/nvidia-caps-imex-channels/channel0`` (all channels for allocationMode All).
 
+In the **host-managed IMEX mode** (NVIDIA's ``HostManagedIMEXDaemon``) the host runs ``nvidia-imex``
+itself: the node publishes only ``channel-0``, labels nothing, refuses daemon claims, and a channel
+claim gets channel 0 once the host's daemon answers READY (:mod:`dra_driver.devices.host_imex`);
+until then prepare fails with the check's reason and the kubelet retries.
+
 For a **daemon** claim: write the daemon's configuration directory (``imexd.cfg`` and
 ``nodes_config.cfg``, the IP addresses of the domain's nodes on this clique known so far, which a
 daemon with DNS names replaces by its fixed names when it starts) and mount it into the daemon's
@@ -67,6 +72,7 @@ from dra_driver.computedomain.api import (
     Names,
     parse_config,
 )
+from dra_driver.devices.host_imex import HostImex
 from dra_driver.devices.types import DeviceNode
 from dra_driver.node.claim_fetcher import ClaimFetcher
 from dra_driver.node.claims import ClaimRejected, allocated_claim, check_ref
@@ -90,8 +96,12 @@ NODES_CONFIG = "nodes_config.cfg"
 DAEMON_CONFIG = "imexd.cfg"
 
 
-def compute_domain_slices(clique: str) -> list[SliceContent]:
-    """The node's pool for the compute-domain driver: one channel and one daemon device."""
+def compute_domain_slices(clique: str, *, daemon: bool = True) -> list[SliceContent]:
+    """The node's pool for the compute-domain driver: one channel and one daemon device.
+
+    Without the daemon device (``daemon=False``) in the host-managed IMEX mode, as NVIDIA's plugin
+    publishes it: the host runs the IMEX daemon, so no daemon pod's claim can be allocated here.
+    """
 
     def device(name: str, kind: str) -> Device:
         return {
@@ -104,7 +114,10 @@ def compute_domain_slices(clique: str) -> list[SliceContent]:
             "capacity": {},
         }
 
-    return [SliceContent(devices=(device(CHANNEL_DEVICE, CHANNEL_TYPE), device(DAEMON_DEVICE, DAEMON_TYPE)))]
+    devices = [device(CHANNEL_DEVICE, CHANNEL_TYPE)]
+    if daemon:
+        devices.append(device(DAEMON_DEVICE, DAEMON_TYPE))
+    return [SliceContent(devices=tuple(devices))]
 
 
 def channel_node(channel: int, major: int) -> DeviceNode:
@@ -164,6 +177,7 @@ class ComputeDomainPreparer:
         state_dir: Path,
         channel_major: int,
         server_port: int = IMEX_SERVER_PORT,
+        host_imex: HostImex | None = None,
     ) -> None:
         self._names = names
         self._node = node_name
@@ -176,6 +190,7 @@ class ComputeDomainPreparer:
         self._configs = state_dir / "domains"
         self._channel_major = channel_major
         self._server_port = server_port
+        self._host_imex = host_imex  # set: the host-managed IMEX mode (see the module doc)
         self._locks: dict[str, asyncio.Lock] = {}
         # Claims the start rebuilt (from their specs, or the earlier version's files) that the
         # store refused: the plugin posts each as a Node Event, as the GPU driver's start does.
@@ -310,8 +325,15 @@ class ComputeDomainPreparer:
             config.allocation_mode.value if isinstance(config, ChannelConfig) else None,
             attempt=secrets.token_hex(8),
         )
-        if isinstance(config, ChannelConfig):
+        if isinstance(config, ChannelConfig) and self._host_imex is not None:
+            cdi = await self._prepare_host_managed_channel(ref, domain, record, self._host_imex)
+        elif isinstance(config, ChannelConfig):
             cdi = await self._prepare_channel(ref, domain, config, record)
+        elif self._host_imex is not None:
+            raise ClaimRejected(
+                f"claim {ref}: ComputeDomain daemon claims are not supported in the host-managed IMEX "
+                "mode (the host runs nvidia-imex; this node publishes no daemon device)"
+            )
         else:
             cdi = await self._prepare_daemon(ref, domain, record)
         try:
@@ -385,6 +407,32 @@ class ComputeDomainPreparer:
         device = CdiDevice(name=CHANNEL_DEVICE, device_nodes=nodes)
         return await self._write_spec(ref.uid, device, ())
 
+    async def _prepare_host_managed_channel(
+        self, ref: ClaimRef, domain: ComputeDomain, record: DomainClaim, host_imex: HostImex
+    ) -> str:
+        """A channel in the host-managed IMEX mode: channel 0 once the host's own daemon is ready.
+
+        No node label and no daemon to wait for: the host's nvidia-imex serves every domain on this
+        node. Its readiness is asked on every prepare, before anything is recorded, so a claim
+        refused here leaves nothing behind and the kubelet's retry asks again. Channel 0 only,
+        whatever the allocationMode, as NVIDIA's plugin does in this mode (the host's IMEX domain
+        has that one channel to give; the controller's template asks for Single).
+        """
+        meta = domain.metadata
+        what = f"ComputeDomain {meta.namespace}/{meta.name}"
+        if meta.namespace != ref.namespace:
+            raise ClaimRejected(f"claim {ref} is in namespace {ref.namespace}, but {what} is not")
+        if meta.deletion_timestamp:
+            raise ClaimRejected(f"{what} is being deleted; its channels are no longer handed out")
+        reason = await asyncio.to_thread(host_imex.not_ready)
+        if reason is not None:
+            raise ClaimRejected(
+                f"host nvidia-imex daemon readiness check failed on node {self._node}: {reason}"
+            )
+        self._reserve(record)
+        device = CdiDevice(name=CHANNEL_DEVICE, device_nodes=(channel_node(0, self._channel_major),))
+        return await self._write_spec(ref.uid, device, ())
+
     async def _prepare_daemon(self, ref: ClaimRef, domain: ComputeDomain, record: DomainClaim) -> str:
         meta = domain.metadata
         directory = self._configs / meta.uid
@@ -415,7 +463,9 @@ class ComputeDomainPreparer:
         try:
             async with self._lock(ref.uid):
                 record = self._store.domain_claim(ref.uid)
-                if record is None:
+                if self._host_imex is not None:
+                    pass  # no label and no daemon directory in the host-managed IMEX mode
+                elif record is None:
                     await self._unlabel_if_unexplained()
                 elif record.kind == CHANNEL_TYPE:
                     await self._domains.unlabel_node(record.domain_uid or None)

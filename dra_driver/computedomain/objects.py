@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from dra_driver.computedomain.api import (
     CLIQUE_ATTRIBUTE,
     KIND,
+    ChannelAllocationMode,
     ComputeDomain,
     ComputeDomainDaemonInfo,
     DomainStatus,
@@ -52,8 +53,14 @@ def clique_selector(names: Names, clique: str) -> str:
     return f"device.attributes['{names.driver}'].{CLIQUE_ATTRIBUTE} == '{clique}'"
 
 
-def channel_template(names: Names, domain: ComputeDomain, clique: str) -> Json:
+def channel_template(names: Names, domain: ComputeDomain, clique: str, *, host_managed: bool = False) -> Json:
+    """The workload channel's ResourceClaimTemplate, pinned to ``clique``.
+
+    In the host-managed IMEX mode it asks for channel 0 alone (``Single``) whatever the domain's
+    allocationMode, as NVIDIA's controller does: the host's IMEX domain has that one channel to give.
+    """
     spec = domain.spec
+    mode = ChannelAllocationMode.SINGLE if host_managed else spec.channel.allocation_mode
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaimTemplate",
@@ -80,9 +87,7 @@ def channel_template(names: Names, domain: ComputeDomain, clique: str) -> Json:
                             "requests": ["channel"],
                             "opaque": {
                                 "driver": names.driver,
-                                "parameters": channel_config(
-                                    names, domain.metadata.uid, spec.channel.allocation_mode
-                                ),
+                                "parameters": channel_config(names, domain.metadata.uid, mode),
                             },
                         }
                     ],

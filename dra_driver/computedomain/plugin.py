@@ -25,6 +25,7 @@ from dra_driver.computedomain.api import (
 )
 from dra_driver.computedomain.node import ComputeDomainPreparer, compute_domain_slices
 from dra_driver.devices.fabric import node_clique
+from dra_driver.devices.host_imex import HostImex
 from dra_driver.devices.types import Inventory
 from dra_driver.kube import ApiClient
 from dra_driver.kubelet.server import KubeletPlugin
@@ -114,6 +115,7 @@ class ComputeDomainPlugin:
         registry_dir: Path,
         pod_uid: str | None,
         simulated: bool,
+        host_imex: HostImex | None = None,
     ) -> None:
         self.names = Names(gpu_driver)
         self._node = node_name
@@ -129,6 +131,7 @@ class ComputeDomainPlugin:
         self._registry_dir = registry_dir
         self._pod_uid = pod_uid
         self._simulated = simulated
+        self._host_imex = host_imex  # set: the host-managed IMEX mode, the host's daemon checked so
         self._plugin: KubeletPlugin | None = None
         self._publisher: SlicePublisher | None = None
         self.preparer: ComputeDomainPreparer | None = None
@@ -163,6 +166,7 @@ class ComputeDomainPlugin:
             store=self._store,
             state_dir=self._state_dir,
             channel_major=major,
+            host_imex=self._host_imex,
         )
         await asyncio.to_thread(self.preparer.start, boot_id)
         await report_conflicts(
@@ -189,8 +193,14 @@ class ComputeDomainPlugin:
         self._publisher = SlicePublisher(
             self._api, driver=self.names.driver, node_name=self._node, node_uid=self._node_uid
         )
-        self._publisher.set_desired(compute_domain_slices(clique.clique))
-        log.info("serving ComputeDomains", driver=self.names.driver, clique=clique.clique)
+        host_managed = self._host_imex is not None
+        self._publisher.set_desired(compute_domain_slices(clique.clique, daemon=not host_managed))
+        log.info(
+            "serving ComputeDomains",
+            driver=self.names.driver,
+            clique=clique.clique,
+            imex="host-managed" if host_managed else "driver-managed",
+        )
         return True
 
     def tasks(self) -> list[Coroutine[Any, Any, None]]:

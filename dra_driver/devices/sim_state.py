@@ -1,11 +1,12 @@
 """The simulated hardware's state: one JSON file that survives restarts, like a GPU does.
 
 It holds what real GPUs keep between driver restarts: MIG mode, live MIG devices,
-injected faults and "processes attached" flags. The daemon and the ``simulate``
-CLI change it from separate processes, so every change is a read-modify-write
-under an exclusive ``flock`` on a sibling lock file, and every write is atomic
-(temp file, fsync, rename, fsync of the directory). Readers take no lock: a
-rename is atomic, so they always see one whole version.
+injected faults and "processes attached" flags; and the state of the host's own
+IMEX service. The daemon and the ``simulate`` CLI change it from separate
+processes, so every change is a read-modify-write under an exclusive ``flock`` on
+a sibling lock file, and every write is atomic (temp file, fsync, rename, fsync of
+the directory). Readers take no lock: a rename is atomic, so they always see one
+whole version.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class SimState(_Record):
     node_name: str = ""
     boot_id: str = ""  # the boot this state belongs to; see SimulatedBackend for what a reboot clears
     mig_serial: int = 0  # MIG devices ever created: makes every MIG uuid unique
+    # The host's own nvidia-imex service, which the host-managed IMEX mode relies on (the `simulate
+    # host-imex` command): ready, or stopped (its status query fails).
+    host_imex: Literal["ready", "stopped"] = "ready"
     gpus: dict[str, SimGpu] = Field(default_factory=dict)  # by GPU uuid
 
     def gpu(self, uuid: str) -> SimGpu:

@@ -42,6 +42,7 @@ from typing import Literal
 
 from dra_driver.devices.backend import DeviceError, DeviceInUseError, PlacementUnavailableError
 from dra_driver.devices.catalog import GpuModel
+from dra_driver.devices.host_imex import DEFAULT_SOCKET, IMEX_CTL
 from dra_driver.devices.pci import NVIDIA, PciBus
 from dra_driver.devices.sim_nodes import NVIDIA_MAJOR, NodeProfile, node_gpus, node_profile, profile_fabric
 from dra_driver.devices.sim_state import SimGpu, SimMigDevice, SimState, StateFile
@@ -365,6 +366,11 @@ class SimulatedBackend:
                 "`dra-driver simulate mig-creation --mode ok` ends it)"
             )
 
+    def set_host_imex(self, state: Literal["ready", "stopped"]) -> None:
+        """Start or stop the node's simulated host nvidia-imex service (:mod:`.host_imex`)."""
+        with self._changing() as current:
+            current.host_imex = state
+
     def inject_xid(self, gpu: str | int, xid: int) -> None:
         """Record an Xid event on a GPU, as the kernel driver would report it."""
         target, _ = self._resolve(gpu)
@@ -505,3 +511,23 @@ def _read(path: Path) -> str | None:
         return path.read_text()
     except FileNotFoundError:
         return None
+
+
+class SimulatedHostImex:
+    """The :class:`~dra_driver.devices.host_imex.HostImex` check of a simulated node.
+
+    Its host daemon is ready unless ``dra-driver simulate host-imex --state stopped`` stopped it
+    (:meth:`SimulatedBackend.set_host_imex`).
+    """
+
+    def __init__(self, state_file: Path, socket: str = DEFAULT_SOCKET) -> None:
+        self._state = StateFile(state_file)
+        self.socket = socket
+
+    def not_ready(self) -> str | None:
+        if self._state.read().host_imex == "ready":
+            return None
+        return (
+            f"error running {IMEX_CTL} (socket {self.socket!r}): the host's nvidia-imex service is not "
+            "running (simulated; `dra-driver simulate host-imex --state ready` starts it)"
+        )

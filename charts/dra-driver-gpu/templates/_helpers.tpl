@@ -92,10 +92,11 @@ admin-access requests may use (templates/maintenance.yaml).
 
 {{/*
 The optional features, after featureGates (docs/configuration.md, "Feature gates"), as YAML for
-fromYaml: computeDomains, maintenanceDevices, nodeLabels, deviceMetadata, passthrough, mps and
-imexDaemonsWithDNSNames (booleans) and migPartitions. A gate that is set wins over the value it is
-named after (NodeLabels -> nodeLabels, PassthroughSupport -> passthrough; NVIDIA's DeviceMetadata ->
-deviceMetadata, which here needs no PassthroughSupport); NVIDIA's DynamicMIG
+fromYaml: computeDomains, maintenanceDevices, nodeLabels, deviceMetadata, passthrough, mps,
+imexDaemonsWithDNSNames and hostManagedImex (booleans) and migPartitions. A gate that is set wins
+over the value it is named after (NodeLabels -> nodeLabels, PassthroughSupport -> passthrough;
+NVIDIA's DeviceMetadata -> deviceMetadata, which here needs no PassthroughSupport;
+HostManagedIMEXDaemon -> hostManagedImex); NVIDIA's DynamicMIG
 maps to migPartitions (false: none; true: the list of GPUs, or else all). NVIDIA's gates for
 what this driver always does, or never does, are accepted where they agree and refused with the
 reason where they do not, so a values file written for NVIDIA's chart never silently means less.
@@ -112,8 +113,9 @@ reason where they do not, so a values file written for NVIDIA's chart never sile
 {{- if hasKey $gates "IMEXDaemonsWithDNSNames" -}}
 {{- $_ := set $features "imexDaemonsWithDNSNames" $gates.IMEXDaemonsWithDNSNames -}}
 {{- end -}}
-{{- if $gates.HostManagedIMEXDaemon -}}
-{{- fail "featureGates.HostManagedIMEXDaemon=true: the host-managed IMEX mode is not supported: this driver runs an IMEX daemon pod per node of each ComputeDomain" -}}
+{{- $_ := set $features "hostManagedImex" .Values.hostManagedImex -}}
+{{- if hasKey $gates "HostManagedIMEXDaemon" -}}
+{{- $_ := set $features "hostManagedImex" $gates.HostManagedIMEXDaemon -}}
 {{- end -}}
 {{- if hasKey $gates "DynamicMIG" -}}
 {{- if not $gates.DynamicMIG -}}
