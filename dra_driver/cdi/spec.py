@@ -48,10 +48,18 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import PurePosixPath
 from typing import Any
 
-from dra_driver.cdi.validate import ValidSpec, check_device_name, check_kind, with_minimum_version
+from dra_driver.cdi.validate import (
+    CheckedEdits,
+    ValidSpec,
+    check_device_name,
+    check_kind,
+    checked_edits,
+    with_minimum_version,
+)
 from dra_driver.devices.driver_root import DriverFiles, HostFile
 from dra_driver.devices.types import DeviceNode, Inventory
 from dra_driver.names import UID_RULE, is_dns_label, is_uid
@@ -117,6 +125,20 @@ class CommonEdits:
     hooks: tuple[Hook, ...]  # nvidia-cdi-hook's commands (HOOK_COMMANDS) when available
     # Claim-wide variables beside NVIDIA_VISIBLE_DEVICES=void: an MPS claim's CUDA_MPS_* settings.
     env: tuple[tuple[str, str], ...] = ()
+
+    @cached_property
+    def spec_edits(self) -> CheckedEdits:
+        """A claim spec's own ``containerEdits``: built and checked once per node, not per claim."""
+        return checked_edits(
+            _without_empty(
+                {
+                    "env": [f"{name}={value}" for name, value in (*CLAIM_ENV, *self.env)],
+                    "deviceNodes": [_device_node(node) for node in self.device_nodes],
+                    "mounts": [_mount(mount) for mount in self.mounts],
+                    "hooks": [_hook(hook) for hook in self.hooks],
+                }
+            )
+        )
 
 
 def common_edits(
@@ -222,14 +244,7 @@ def claim_spec(
             }
             for device in devices
         ],
-        "containerEdits": _without_empty(
-            {
-                "env": [f"{name}={value}" for name, value in (*CLAIM_ENV, *common.env)],
-                "deviceNodes": [_device_node(node) for node in common.device_nodes],
-                "mounts": [_mount(mount) for mount in common.mounts],
-                "hooks": [_hook(hook) for hook in common.hooks],
-            }
-        ),
+        "containerEdits": common.spec_edits,
     }
     return with_minimum_version(spec)
 

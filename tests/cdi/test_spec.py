@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from dra_driver.cdi.spec import (
     CdiDevice,
     CommonEdits,
+    Mount,
     cdi_device_id,
     cdi_kind,
     claim_spec,
@@ -224,6 +225,22 @@ def test_spec_declares_the_oldest_version_its_content_needs(
     device = CdiDevice("gpu-0", (DeviceNode("/dev/nvidia0", 195, 0, host_path=host_path),), uuid=GPU0.uuid)
     spec = claim_spec(DRIVER, claim_uid, [device], CommonEdits((), (), ()))
     assert spec["cdiVersion"] == version
+
+
+def test_every_spec_built_from_the_nodes_common_edits_carries_their_version_and_checks() -> None:
+    # The common edits are built and checked once per node and shared by the claims' specs: each
+    # spec must still declare what they need and read back as valid, and a bad one still fails.
+    control = DeviceNode("/dev/nvidiactl", 195, 255, host_path=f"{DRIVER_ROOT}/dev/nvidiactl")
+    common = CommonEdits((control,), (), ())
+    device = CdiDevice("gpu-0", (DeviceNode("/dev/nvidia0", 195, 0),), uuid=GPU0.uuid)
+    for uid in ("b1ef6d2c-7c3a-4f59-9d8e-5a4c2b1e9f30", "c2ef6d2c-7c3a-4f59-9d8e-5a4c2b1e9f31"):
+        spec = claim_spec(DRIVER, uid, [device], common)
+        assert spec["cdiVersion"] == "0.5.0"  # the control node's hostPath
+        validate_spec(json.loads(json.dumps(spec)))
+    broken = CommonEdits((), (Mount("", "/usr/lib/libcuda.so.1"),), ())
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"containerEdits\.mounts\[0\]\.hostPath"):
+            claim_spec(DRIVER, CLAIM_UID, [device], broken)
 
 
 def test_devices_of_a_claim_may_share_a_variable_with_one_value() -> None:
