@@ -818,7 +818,13 @@ def test_with_host_managed_imex_no_daemon_may_run_and_the_controller_may_create_
         "compute-domain-daemon",
         "compute-domain-daemon.dra-driver.dev",
         "gpu-dra-driver-gpu-compute-domain-daemon",
+        # The policies of writes no account may make then (the DaemonSets, the clique entries).
+        "gpu-dra-driver-gpu-cd-daemonsets",
+        "gpu-dra-driver-gpu-cd-cliques",
     }
+    # The controller's templates ask for the channel alone: no daemon is claimed.
+    assert "compute-domain-daemon." in _cel(_policy(driver_managed, "-cd-templates"))
+    assert "compute-domain-daemon." not in _cel(_policy(host_managed, "-cd-templates"))
     # What stays: the CRDs, the channel's DeviceClass and the controller with its Lease.
     assert "compute-domain-default-channel.dra-driver.dev" in names(of_kind(host_managed, "DeviceClass"))
     assert "leases" in granted(host_managed)
