@@ -52,6 +52,19 @@ class JsonApi:
     async def create(self, path: str, body: Mapping[str, Any]) -> Json:
         return await self.call("POST", path, body=body)
 
+    async def create_as_kubectl(self, path: str, body: Mapping[str, Any]) -> Json:
+        """Create, the object arriving as kubectl sends it: an opaque config's bytes in Go's JSON.
+
+        For an object that carries a claim's opaque config (a ResourceClaimTemplate): the API server
+        keeps a RawExtension's bytes as sent, a template's go to its claims, and Kubernetes refuses
+        every status write of a claim allocated with bytes other than Go's own encoding (compact,
+        keys sorted; docs/binding-conditions.md), binding conditions included. The client's
+        transport sends a JSON body as ``json.dumps`` writes it, with spaces; a YAML body (JSON is
+        YAML) goes as it is, and the server decodes YAML into Go's JSON, as kubectl would have sent.
+        """
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        return await self.call("POST", path, body=text.encode(), content_type="application/yaml")
+
     async def merge_patch(self, path: str, body: Mapping[str, Any]) -> Json:
         return await self.call("PATCH", path, body=body, content_type="application/merge-patch+json")
 
@@ -83,7 +96,7 @@ class JsonApi:
         path: str,
         *,
         query: Mapping[str, str] | None = None,
-        body: Mapping[str, Any] | None = None,
+        body: Mapping[str, Any] | bytes | None = None,
         content_type: str = "application/json",
         request_timeout_s: float = _REQUEST_TIMEOUT_S,
     ) -> Json:
@@ -149,7 +162,7 @@ class JsonApi:
         path: str,
         *,
         query: Mapping[str, str] | None = None,
-        body: Mapping[str, Any] | None = None,
+        body: Mapping[str, Any] | bytes | None = None,
         content_type: str = "application/json",
         client_timeout: float | aiohttp.ClientTimeout = _REQUEST_TIMEOUT_S,
     ) -> Any:
@@ -167,7 +180,7 @@ class JsonApi:
             method,
             url,
             header_params=headers,
-            body=dict(body) if body is not None else None,
+            body=body if body is None or isinstance(body, bytes) else dict(body),  # bytes go as they are
             _request_timeout=client_timeout,
         )
 

@@ -298,7 +298,7 @@ class ComputeDomainController:
             daemon_set(self.names, domain, self._namespace, self._image, dns_names=self._dns_names),
         )
         if template is None:
-            await self._ensure(template_path, channel_template(self.names, domain, clique))
+            await self._ensure(template_path, channel_template(self.names, domain, clique), as_kubectl=True)
             log.info("ComputeDomain set up", domain=key, clique=clique)
 
         members = await self._member_nodes(domain.metadata.uid)
@@ -322,7 +322,11 @@ class ComputeDomainController:
         """
         if template is None:
             template_path = self._template_path(domain)
-            await self._ensure(template_path, channel_template(self.names, domain, clique, host_managed=True))
+            await self._ensure(
+                template_path,
+                channel_template(self.names, domain, clique, host_managed=True),
+                as_kubectl=True,
+            )
             log.info(
                 "ComputeDomain set up",
                 domain=f"{domain.metadata.namespace}/{domain.metadata.name}",
@@ -443,12 +447,21 @@ class ComputeDomainController:
     def _daemon_set_path(self, domain: ComputeDomain) -> str:
         return f"/apis/apps/v1/namespaces/{self._namespace}/daemonsets/{daemon_object_name(domain)}"
 
-    async def _ensure(self, path: str, body: Json) -> None:
-        """Create the object unless it exists (its spec is never changed afterwards, as NVIDIA's)."""
+    async def _ensure(self, path: str, body: Json, *, as_kubectl: bool = False) -> None:
+        """Create the object unless it exists (its spec is never changed afterwards, as NVIDIA's).
+
+        ``as_kubectl`` for the channel template: its claims' opaque config must arrive as kubectl
+        sends it, or the API server refuses their status writes, the binding conditions' among them
+        (:meth:`dra_driver.rest.JsonApi.create_as_kubectl`).
+        """
         if await self._kube.get(path) is not None:
             return
+        collection = path.rsplit("/", 1)[0]
         try:
-            await self._kube.create(path.rsplit("/", 1)[0], body)
+            if as_kubectl:
+                await self._kube.create_as_kubectl(collection, body)
+            else:
+                await self._kube.create(collection, body)
         except ApiError as error:
             if error.status != 409:
                 raise

@@ -29,6 +29,7 @@ class FakeApi:
 
     def __init__(self) -> None:
         self.objects: dict[str, dict[str, Any]] = {}
+        self.as_kubectl: set[str] = set()  # created with the body as kubectl sends it
         self._versions = itertools.count(1)
 
     def put(self, path: str, obj: dict[str, Any]) -> None:
@@ -63,6 +64,11 @@ class FakeApi:
             raise ApiError(409, "AlreadyExists", path)
         self.put(path, body)
         return copy.deepcopy(self.objects[path])
+
+    async def create_as_kubectl(self, collection: str, body: dict[str, Any]) -> dict[str, Any]:
+        created = await self.create(collection, body)
+        self.as_kubectl.add(f"{collection}/{body['metadata']['name']}")
+        return created
 
     async def merge_patch(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         target = path.removesuffix("/status")

@@ -333,3 +333,13 @@ def test_placements_are_recalled_once_the_api_server_answers() -> None:
     asyncio.run(ctl.recall_placements())
     assert api.refusals == 0
     assert {uid: (p.clique, p.nodes) for uid, p in ctl.placed.items()} == {UID: (CLIQUE, 2)}
+
+
+def test_the_controller_creates_the_channel_template_as_kubectl_sends_it() -> None:
+    """Else the API server refuses every status write of its claims: the binding conditions'
+    (docs/binding-conditions.md)."""
+    api = FakeApi()
+    with_domain(api, num_nodes=1)
+    with_tray(api, "a1")
+    reconcile_until_settled(api)
+    assert api.as_kubectl == {"/apis/resource.k8s.io/v1/namespaces/ns/resourceclaimtemplates/cd-channel"}
