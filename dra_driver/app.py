@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -474,36 +474,62 @@ def mps_daemons(settings: Settings, api: ApiClient) -> MpsDaemons | None:
 
 @dataclass(frozen=True)
 class BindingWatch:
-    """The watch of the claims allocated from the node's pool, for their binding conditions."""
+    """The watch of the claims allocated from the node's pools, for their binding conditions: one
+    watch of the claims, fed to a watcher per driver (the GPUs', and the ComputeDomain channel's)."""
 
-    watcher: BindingWatcher
+    watchers: tuple[BindingWatcher, ...]
     api: JsonApi
 
     async def run(self) -> None:
         await list_and_watch(
             self.api,
             CLAIMS_PATH,
-            self.watcher.on_event,
+            self._on_event,
             resync_seconds=RESYNC_S,
-            on_listed=self.watcher.on_listed,
+            on_listed=self._on_listed,
             retry_seconds=5.0,  # a refusal (a chart without list on claims) logs every 5 s, not every 1 s
         )
 
+    async def _on_event(self, kind: str, claim: Mapping[str, Any]) -> None:
+        for watcher in self.watchers:
+            await watcher.on_event(kind, claim)
+
+    def _on_listed(self, claims: list[dict[str, Any]]) -> None:
+        for watcher in self.watchers:
+            watcher.on_listed(claims)
+
+    async def stop(self) -> None:
+        for watcher in self.watchers:
+            await watcher.stop()
+
 
 def binding_watch(
-    settings: Settings, rules: ServerRules, api: ApiClient, preparer: NodePreparer
+    settings: Settings,
+    rules: ServerRules,
+    api: ApiClient,
+    preparer: NodePreparer,
+    compute_domains: ComputeDomainPlugin | None = None,
 ) -> BindingWatch | None:
-    """The binding conditions' watch when the placements carry them (:mod:`dra_driver.node.binding`)."""
+    """The binding conditions' watch when the placements carry them (:mod:`dra_driver.node.binding`);
+    ``compute_domains``, started, when its channel carries them too."""
     if not binding_conditions_on(settings, rules):
         return None
-    watcher = BindingWatcher(
-        preparer, ApiServerClaimStatus(api), driver_name=settings.driver_name, pool=settings.node_name
-    )
-    return BindingWatch(watcher, JsonApi(api))
+    status = ApiServerClaimStatus(api)
+    watchers = [BindingWatcher(preparer, status, driver_name=settings.driver_name, pool=settings.node_name)]
+    if compute_domains is not None and compute_domains.binding_conditions and compute_domains.preparer:
+        watchers.append(
+            BindingWatcher(
+                compute_domains.preparer,
+                status,
+                driver_name=compute_domains.names.driver,
+                pool=settings.node_name,
+            )
+        )
+    return BindingWatch(tuple(watchers), JsonApi(api))
 
 
 def compute_domain_plugin(
-    settings: Settings, api: ApiClient, inventory: Inventory, node_uid: str | None
+    settings: Settings, api: ApiClient, inventory: Inventory, node_uid: str | None, rules: ServerRules
 ) -> ComputeDomainPlugin | None:
     """The ComputeDomains plugin when their gate is on; its module is imported only then."""
     if not settings.compute_domains:
@@ -525,6 +551,7 @@ def compute_domain_plugin(
         pod_uid=settings.pod_uid or None,
         simulated=bool(settings.simulate),
         host_imex=host_imex(settings),
+        binding_conditions=binding_conditions_on(settings, rules),
     )
 
 
@@ -646,10 +673,9 @@ async def _serve(
     plugin = kubelet.plugin
     kubelet.claims.ready(preparer)  # the claim calls held since the sockets opened go on now
 
-    binding = binding_watch(settings, rules, api, preparer)
-
     # The second driver, compute-domain.<domain>, on nodes of a multi-node NVLink clique.
-    compute_domains = compute_domain_plugin(settings, api, inventory, own_node_uid)
+    compute_domains = compute_domain_plugin(settings, api, inventory, own_node_uid, rules)
+    binding: BindingWatch | None = None
 
     def readiness() -> str | None:
         if not plugin.registration.registered.is_set():
@@ -663,8 +689,8 @@ async def _serve(
         status.readiness = readiness
     tasks: list[asyncio.Task[None]] = []
     try:
-        if compute_domains is not None:
-            await compute_domains.start()
+        serving_domains = compute_domains is not None and await compute_domains.start()
+        binding = binding_watch(settings, rules, api, preparer, compute_domains if serving_domains else None)
         log.info(
             "serving the kubelet",
             dra_socket=str(plugin.dra_socket),
@@ -699,7 +725,7 @@ async def _serve(
             await compute_domains.stop()
         await plugin.stop()
         if binding is not None:
-            await binding.watcher.stop()
+            await binding.stop()
         await preparer.drain(DRAIN_SECONDS)  # before serve_node closes the backend and the API client
         for task in tasks:
             task.cancel()

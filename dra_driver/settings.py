@@ -238,6 +238,8 @@ class Settings(BaseModel):
             description="Publish MIG placements (created at prepare) with binding conditions (KEP-5007): "
             "the scheduler binds a pod only once the plugin has created its MIG device and reported it "
             "Ready in the claim's status, and schedules it again if that fails (docs/binding-conditions.md). "
+            "A ComputeDomain's channel likewise waits until the domain's IMEX daemon on the node is Ready "
+            "(not in the host-managed IMEX mode). "
             "auto (default): on where the API server is 1.36 or newer (the gate DRADeviceBindingConditions "
             "is on by default there); on; off: never (the right value where MIG claims with a config are "
             "created by a client other than kubectl, Helm or server-side apply: Kubernetes refuses the "

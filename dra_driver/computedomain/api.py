@@ -185,6 +185,38 @@ class ComputeDomain(_Model):
     status: ComputeDomainStatus = ComputeDomainStatus()
 
 
+DAEMON_FAILED = "DaemonFailed"  # the reason of the domain's Ready condition while a daemon fails
+
+
+def daemon_failures_message(failures: dict[str, str]) -> str:
+    """The message of the domain's ``DaemonFailed`` condition: each failing node's daemon and why."""
+    return "; ".join(f"{_FAILED_PREFIX.format(node=node)}{why}" for node, why in sorted(failures.items()))
+
+
+def daemon_failure(domain: ComputeDomain, node: str) -> str | None:
+    """Why the IMEX daemon on ``node`` fails, as the controller reports it in the domain's Ready
+    condition; None while it does not (or not yet: the controller copies it from the daemon).
+
+    A node's channel waits on this: the node may not read the ComputeDomainCliques, where the
+    daemon itself writes why, so it reads the domain the controller keeps.
+    """
+    ready = next((c for c in domain.status.conditions if c.get("type") == "Ready"), None)
+    if ready is None or ready.get("reason") != DAEMON_FAILED:
+        return None
+    message = str(ready.get("message") or "")
+    prefix = _FAILED_PREFIX.format(node=node)
+    start = message.find(prefix)
+    if start < 0:
+        return None
+    why = message[start + len(prefix) :]
+    end = why.find(f"; {_FAILED_START}")  # the next node's failure
+    return why if end < 0 else why[:end]
+
+
+_FAILED_START = "the IMEX daemon on node "
+_FAILED_PREFIX = _FAILED_START + "{node} failed: "
+
+
 class InvalidComputeDomain(ValueError):
     """The object is not a ComputeDomain this driver can act on; the message says which field."""
 

@@ -45,11 +45,13 @@ import structlog
 
 from dra_driver.computedomain.api import (
     CLIQUE_PLURAL,
+    DAEMON_FAILED,
     PLURAL,
     ComputeDomain,
     DomainStatus,
     InvalidComputeDomain,
     Names,
+    daemon_failures_message,
     parse_compute_domain,
 )
 from dra_driver.computedomain.objects import (
@@ -369,10 +371,7 @@ class ComputeDomainController:
         if status is DomainStatus.READY:
             reason, message = "DaemonsReady", f"{len(ready)} IMEX daemon(s) ready on clique {clique}"
         elif failures:
-            reason = "DaemonFailed"
-            message = "; ".join(
-                f"the IMEX daemon on node {node} failed: {why}" for node, why in sorted(failures.items())
-            )
+            reason, message = DAEMON_FAILED, daemon_failures_message(failures)
         elif late:
             reason = "DaemonNotReady"
             message = (

@@ -12,6 +12,15 @@ the daemon starts here), and succeed only once that daemon reports Ready in the 
 until then the kubelet retries and the pod waits, as with NVIDIA's driver. The CDI spec gives the
 container ``/dev/nvidia-caps-imex-channels/channel0`` (all channels for allocationMode All).
 
+With **binding conditions** on (Kubernetes 1.36+, :mod:`dra_driver.node.binding`) the channel says
+``bindingConditions: [Ready]``: the scheduler holds the workload pod in binding, and the node does
+the channel's prepare ahead (:meth:`ComputeDomainPreparer.prepare_ahead`) -- label, then poll the
+domain every second until the daemon is Ready -- and answers Ready, or PrepareFailed when the daemon
+keeps failing, is not ready in time, or the domain goes; the scheduler then places the pod again, with
+the reason in its events, instead of a pod stuck on the node. The record says ``PreparingAhead`` and
+``PreparedAhead`` meanwhile; the kubelet's prepare takes the latter over, and the watcher undoes a
+claim whose pod never comes.
+
 In the **host-managed IMEX mode** (NVIDIA's ``HostManagedIMEXDaemon``) the host runs ``nvidia-imex``
 itself: the node publishes only ``channel-0``, labels nothing, refuses daemon claims, and a channel
 claim gets channel 0 once the host's daemon answers READY (:mod:`dra_driver.devices.host_imex`);
@@ -52,7 +61,8 @@ import os
 import secrets
 import shutil
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -70,16 +80,18 @@ from dra_driver.computedomain.api import (
     DaemonConfig,
     DomainStatus,
     Names,
+    daemon_failure,
     parse_config,
 )
 from dra_driver.devices.host_imex import HostImex
 from dra_driver.devices.types import DeviceNode
 from dra_driver.node.claim_fetcher import ClaimFetcher
-from dra_driver.node.claims import ClaimRejected, allocated_claim, check_ref
+from dra_driver.node.claims import AllocationResult, ClaimRejected, allocated_claim, check_ref
 from dra_driver.node.records import Phase
 from dra_driver.node.recovery import CONFLICT_ADVICE, Conflict
-from dra_driver.node.store import DomainClaim, MutationRejected, Store
+from dra_driver.node.store import DomainClaim, DomainPhase, MutationRejected, Store
 from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice, PrepareOutcome
+from dra_driver.resources.devices import FAILED_CONDITION, READY_CONDITION
 from dra_driver.resources.slices import SliceContent
 from dra_driver.resources.wire import Device
 
@@ -94,13 +106,28 @@ DAEMON_CONFIG_DIR = "/imexd"  # where the daemon container finds its configurati
 IMEX_SERVER_PORT = 50000  # IMEX's default peer port (SERVER_PORT)
 NODES_CONFIG = "nodes_config.cfg"
 DAEMON_CONFIG = "imexd.cfg"
+# A channel prepared ahead of binding (ComputeDomainPreparer.prepare_ahead): how often the domain is
+# read while its daemon starts; how long a failing daemon is given to recover; how long the wait
+# lasts at most (the controller's default daemonReadyTimeoutSeconds, and well within the
+# scheduler's 10-minute bindingTimeout, so the pod goes back to the scheduler with the reason).
+AHEAD_POLL_S = 1.0
+DAEMON_FAILURE_GRACE_S = 60.0
+DAEMON_READY_TIMEOUT_S = 300.0
+AHEAD_PHASES = ("PreparingAhead", "PreparedAhead")
 
 
-def compute_domain_slices(clique: str, *, daemon: bool = True) -> list[SliceContent]:
+def compute_domain_slices(
+    clique: str, *, daemon: bool = True, binding_conditions: bool = False
+) -> list[SliceContent]:
     """The node's pool for the compute-domain driver: one channel and one daemon device.
 
     Without the daemon device (``daemon=False``) in the host-managed IMEX mode, as NVIDIA's plugin
     publishes it: the host runs the IMEX daemon, so no daemon pod's claim can be allocated here.
+    With ``binding_conditions`` (KEP-5007, :mod:`dra_driver.node.binding`) the channel says
+    ``bindingConditions: [Ready]`` and ``bindingFailureConditions: [PrepareFailed]``: the scheduler
+    binds a workload pod only once this node's IMEX daemon for its domain is Ready
+    (:meth:`ComputeDomainPreparer.prepare_ahead`), and schedules it again if the daemon fails. The
+    daemon device has none: its pod is what the channel waits for.
     """
 
     def device(name: str, kind: str) -> Device:
@@ -114,7 +141,11 @@ def compute_domain_slices(clique: str, *, daemon: bool = True) -> list[SliceCont
             "capacity": {},
         }
 
-    devices = [device(CHANNEL_DEVICE, CHANNEL_TYPE)]
+    channel = device(CHANNEL_DEVICE, CHANNEL_TYPE)
+    if binding_conditions:
+        channel["bindingConditions"] = [READY_CONDITION]
+        channel["bindingFailureConditions"] = [FAILED_CONDITION]
+    devices = [channel]
     if daemon:
         devices.append(device(DAEMON_DEVICE, DAEMON_TYPE))
     return [SliceContent(devices=tuple(devices))]
@@ -178,6 +209,11 @@ class ComputeDomainPreparer:
         channel_major: int,
         server_port: int = IMEX_SERVER_PORT,
         host_imex: HostImex | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        poll_s: float = AHEAD_POLL_S,
+        daemon_failure_grace_s: float = DAEMON_FAILURE_GRACE_S,
+        daemon_ready_timeout_s: float = DAEMON_READY_TIMEOUT_S,
     ) -> None:
         self._names = names
         self._node = node_name
@@ -192,6 +228,11 @@ class ComputeDomainPreparer:
         self._server_port = server_port
         self._host_imex = host_imex  # set: the host-managed IMEX mode (see the module doc)
         self._locks: dict[str, asyncio.Lock] = {}
+        self._clock = clock
+        self._sleep = sleep  # the wait for a channel's daemon ahead of binding polls (no event to await)
+        self._poll_s = poll_s
+        self._daemon_failure_grace_s = daemon_failure_grace_s
+        self._daemon_ready_timeout_s = daemon_ready_timeout_s
         # Claims the start rebuilt (from their specs, or the earlier version's files) that the
         # store refused: the plugin posts each as a Node Event, as the GPU driver's start does.
         self.recovery_conflicts: list[Conflict] = []
@@ -291,27 +332,13 @@ class ComputeDomainPreparer:
             return ClaimError(f"preparing claim {ref} failed: {error}")
 
     async def _prepare(self, ref: ClaimRef) -> PrepareOutcome:
-        claim = await self._claims.get(ref.namespace, ref.name)
-        if claim is None:
-            raise ClaimRejected(f"claim {ref} no longer exists")
-        allocated = allocated_claim(ref, claim, self._names.driver, self._node)
-        if len(allocated.results) != 1:
-            raise ClaimRejected(
-                f"claim {ref} has {len(allocated.results)} devices of {self._names.driver}; "
-                "a ComputeDomain claim has exactly one"
-            )
-        result = allocated.results[0]
-        config = self._config_of(ref, result.device, [c.parameters for c in allocated.configs])
+        result, config = await self._allocated(ref)
         if self._prepared_before(ref, result.device, config.domain_id):
-            # The kubelet's repeat (it restarted, or lost our answer): what was done stands, and
-            # the record is not written again (a crash then would leave it half-done).
-            cdi = cdi_device_id(self._names.driver, ref.uid, result.device)
-            return (PreparedDevice((result.parent_request,), self._node, result.device, (cdi,)),)
-        domain = await self._domains.by_uid(config.domain_id)
-        if domain is None:
-            raise ClaimRejected(
-                f"claim {ref} belongs to ComputeDomain {config.domain_id}, which does not exist (any more)"
-            )
+            # The kubelet's repeat (it restarted, or lost our answer), or a channel prepared ahead of
+            # binding: what was done stands, and the record is not written again (a crash then would
+            # leave it half-done).
+            return (self._prepared(ref, result),)
+        domain = await self._domain(ref, config)
         kind = CHANNEL_TYPE if isinstance(config, ChannelConfig) else DAEMON_TYPE
         if result.device != (CHANNEL_DEVICE if kind == CHANNEL_TYPE else DAEMON_DEVICE):
             raise ClaimRejected(f"claim {ref}: a {kind} config for device {result.device}")
@@ -336,27 +363,186 @@ class ComputeDomainPreparer:
             )
         else:
             cdi = await self._prepare_daemon(ref, domain, record)
-        try:
-            self._store.complete_domain_claim(ref.uid, record.attempt)
-        except MutationRejected as taken:
-            raise ClaimRejected(str(taken)) from None
-        return (
-            PreparedDevice(
-                requests=(result.parent_request,),
-                pool=self._node,
-                device=result.device,
-                cdi_device_ids=(cdi,),
-            ),
+        self._complete(ref, record.attempt, "PrepareCompleted")
+        return (self._prepared(ref, result, cdi),)
+
+    async def _allocated(self, ref: ClaimRef) -> tuple[AllocationResult, ChannelConfig | DaemonConfig]:
+        """The claim's one device of this driver and its config, checked."""
+        claim = await self._claims.get(ref.namespace, ref.name)
+        if claim is None:
+            raise ClaimRejected(f"claim {ref} no longer exists")
+        allocated = allocated_claim(ref, claim, self._names.driver, self._node)
+        if len(allocated.results) != 1:
+            raise ClaimRejected(
+                f"claim {ref} has {len(allocated.results)} devices of {self._names.driver}; "
+                "a ComputeDomain claim has exactly one"
+            )
+        result = allocated.results[0]
+        return result, self._config_of(ref, result.device, [c.parameters for c in allocated.configs])
+
+    async def _domain(self, ref: ClaimRef, config: ChannelConfig | DaemonConfig) -> ComputeDomain:
+        domain = await self._domains.by_uid(config.domain_id)
+        if domain is None:
+            raise ClaimRejected(
+                f"claim {ref} belongs to ComputeDomain {config.domain_id}, which does not exist (any more)"
+            )
+        return domain
+
+    def _prepared(self, ref: ClaimRef, result: AllocationResult, cdi: str | None = None) -> PreparedDevice:
+        return PreparedDevice(
+            requests=(result.parent_request,),
+            pool=self._node,
+            device=result.device,
+            cdi_device_ids=(cdi or cdi_device_id(self._names.driver, ref.uid, result.device),),
         )
 
-    def _prepared_before(self, ref: ClaimRef, device: str, domain_uid: str) -> bool:
+    def _complete(self, ref: ClaimRef, attempt: str, phase: DomainPhase) -> None:
+        try:
+            self._store.complete_domain_claim(ref.uid, attempt, phase)
+        except MutationRejected as taken:
+            raise ClaimRejected(str(taken)) from None
+
+    def _prepared_before(self, ref: ClaimRef, device: str, domain_uid: str, *, ahead: bool = False) -> bool:
+        """Whether the claim is prepared already: by an earlier prepare, or ahead of its pod's binding.
+
+        A channel prepared ahead is the kubelet's from its prepare on (the pod is bound): its record
+        becomes PrepareCompleted, so that the binding watcher no longer undoes it.
+        """
         record = self._store.domain_claim(ref.uid)
-        return (
-            record is not None
-            and record.phase == "PrepareCompleted"
-            and (record.device, record.domain_uid) == (device, domain_uid)
-            and self._specs.path_for(ref.uid).exists()
-        )
+        if (
+            record is None
+            or record.phase not in ("PrepareCompleted", "PreparedAhead")
+            or (record.device, record.domain_uid) != (device, domain_uid)
+            or not self._specs.path_for(ref.uid).exists()
+        ):
+            return False
+        if record.phase == "PreparedAhead" and not ahead:
+            self._complete(ref, record.attempt, "PrepareCompleted")
+            log.info("channel prepared ahead of binding; the kubelet takes it over", claim=str(ref))
+        return True
+
+    # --- ahead of binding (binding conditions, dra_driver.node.binding) ------------------------------
+
+    async def prepare_ahead(self, ref: ClaimRef) -> tuple[PreparedDevice, ...] | ClaimError:
+        """Prepare a channel claim before its pod is bound: the binding watcher's call.
+
+        What the kubelet's prepare does, done as soon as the scheduler allocates the channel, which
+        holds the pod in binding meanwhile: record the claim (PreparingAhead), label the node (the
+        domain's DaemonSet then starts its IMEX daemon here), wait until that daemon is Ready in the
+        domain's status, write the CDI spec and record the claim PreparedAhead, which the kubelet's
+        prepare takes over once the pod is bound. The wait fails when the daemon keeps failing
+        (``daemon_failure_grace_s``), is not Ready in time (``daemon_ready_timeout_s``, shorter
+        than the scheduler's bindingTimeout, so the pod goes back with a reason rather than a
+        timeout), or the domain goes; a failure undoes what was done, since the scheduler then
+        schedules the pod again, maybe elsewhere. The claim's lock is not held while it waits.
+        """
+        record: DomainClaim | None = None
+        try:
+            check_ref(ref)
+            async with self._lock(ref.uid):
+                result, config = await self._allocated(ref)
+                if self._prepared_before(ref, result.device, config.domain_id, ahead=True):
+                    return (self._prepared(ref, result),)  # its answer was not written: again
+                if not isinstance(config, ChannelConfig) or result.device != CHANNEL_DEVICE:
+                    raise ClaimRejected(f"claim {ref}: only a ComputeDomain's channel is prepared ahead")
+                if self._host_imex is not None:  # publishes no binding conditions (module doc)
+                    raise ClaimRejected(f"claim {ref}: the host-managed IMEX mode prepares nothing ahead")
+                domain = await self._domain(ref, config)
+                what = self._check_channel(ref, domain, await self._domains.member_nodes(domain.metadata.uid))
+                record = DomainClaim(
+                    ref.uid,
+                    ref.namespace,
+                    ref.name,
+                    CHANNEL_TYPE,
+                    CHANNEL_DEVICE,
+                    domain.metadata.uid,
+                    config.allocation_mode.value,
+                    phase="PreparingAhead",
+                    attempt=secrets.token_hex(8),
+                )
+                await self._reserve_and_label(record)
+            await self._until_daemon_ready(ref, record.domain_uid, what)
+            async with self._lock(ref.uid):
+                cdi = await self._write_channel_spec(ref.uid, config)
+                self._complete(ref, record.attempt, "PreparedAhead")
+            log.info("channel prepared ahead of binding: the node's IMEX daemon is ready", claim=str(ref))
+            return (self._prepared(ref, result, cdi),)
+        except (ClaimRejected, ValueError) as error:
+            failure = ClaimError(str(error))
+        except Exception as error:
+            log.warning("preparing a channel ahead of binding failed", claim=str(ref), error=str(error))
+            failure = ClaimError(f"preparing claim {ref} ahead of binding failed: {error}")
+        if record is not None:
+            await self._undo_ahead(ref, record.attempt)
+        return failure
+
+    def ahead_of_binding(self) -> dict[str, DomainClaim]:
+        """The channels prepared (or being prepared) ahead of binding that the kubelet has not asked for."""
+        return {c.uid: c for c in self._store.domain_claims() if c.phase in AHEAD_PHASES}
+
+    def prepared_ahead(self, uid: str) -> DomainClaim | None:
+        """``uid``'s record if it is being prepared or was prepared ahead, and the kubelet has not asked."""
+        record = self._store.domain_claim(uid)
+        return record if record is not None and record.phase in AHEAD_PHASES else None
+
+    async def _until_daemon_ready(self, ref: ClaimRef, domain_uid: str, what: str) -> None:
+        """Poll the domain until this node's IMEX daemon is Ready; :class:`ClaimRejected` says why not.
+
+        A daemon that fails is given ``daemon_failure_grace_s`` to recover (its wrapper restarts a
+        crashed IMEX part every few seconds; a moment's trouble is not a reason to reschedule). An
+        API error is one more poll: the timeout bounds the wait.
+        """
+        started = self._clock()
+        failing_since: float | None = None
+        state = "not started"
+        while True:
+            try:
+                domain = await self._domains.by_uid(domain_uid)
+            except Exception as error:
+                log.warning(
+                    "reading the ComputeDomain failed; reading it again", claim=str(ref), error=str(error)
+                )
+            else:
+                if domain is None:
+                    raise ClaimRejected(f"{what} no longer exists; claim {ref} cannot get its channel")
+                if domain.metadata.deletion_timestamp:
+                    raise ClaimRejected(f"{what} is being deleted; its channels are no longer handed out")
+                mine = next((n for n in domain.status.nodes if n.name == self._node), None)
+                if mine is not None and mine.status is DomainStatus.READY:
+                    return
+                state = mine.status.value if mine else "not started"
+                failure = daemon_failure(domain, self._node)
+                now = self._clock()
+                if failure is None:
+                    failing_since = None
+                elif failing_since is None:
+                    failing_since = now
+                elif now - failing_since >= self._daemon_failure_grace_s:
+                    raise ClaimRejected(
+                        f"the IMEX daemon of {what} on node {self._node} failed for "
+                        f"{self._daemon_failure_grace_s:.0f}s: {failure}"
+                    )
+            if self._clock() - started >= self._daemon_ready_timeout_s:
+                raise ClaimRejected(
+                    f"the IMEX daemon of {what} on node {self._node} was not ready within "
+                    f"{self._daemon_ready_timeout_s:.0f}s ({state})"
+                )
+            await self._sleep(self._poll_s)
+
+    async def _undo_ahead(self, ref: ClaimRef, attempt: str) -> None:
+        """Undo a failed prepare ahead (the node leaves the domain: its daemon goes with the label),
+        unless another attempt took the record over meanwhile. What cannot be undone now is left to
+        the binding watcher, which undoes a claim prepared ahead once its allocation is gone."""
+        try:
+            async with self._lock(ref.uid):
+                record = self._store.domain_claim(ref.uid)
+                if record is None or record.attempt != attempt:
+                    return
+                await self._domains.unlabel_node(record.domain_uid or None)
+                await asyncio.to_thread(self._specs.remove, ref.uid)
+                self._store.release_domain_claim(ref.uid)
+        except Exception as error:
+            log.warning("undoing a channel prepared ahead failed", claim=str(ref), error=str(error))
 
     def _config_of(self, ref: ClaimRef, device: str, parameters: list[Any]) -> ChannelConfig | DaemonConfig:
         if not parameters:
@@ -377,35 +563,44 @@ class ComputeDomainPreparer:
     async def _prepare_channel(
         self, ref: ClaimRef, domain: ComputeDomain, config: ChannelConfig, record: DomainClaim
     ) -> str:
-        meta = domain.metadata
-        what = f"ComputeDomain {meta.namespace}/{meta.name}"
-        if meta.namespace != ref.namespace:
-            raise ClaimRejected(f"claim {ref} is in namespace {ref.namespace}, but {what} is not")
-        if meta.deletion_timestamp:
-            raise ClaimRejected(f"{what} is being deleted; its channels are no longer handed out")
-        members = await self._domains.member_nodes(meta.uid)
-        wanted = domain.spec.num_nodes
-        if self._node not in members and wanted and len(members) >= wanted:
-            raise ClaimRejected(
-                f"{what} already has its {wanted} node(s) ({', '.join(sorted(members))}); "
-                f"node {self._node} waits until one of them leaves"
-            )
-        self._reserve(record)  # before the label: an unprepare, also after a crash, removes it
-        other = await self._domains.label_node(meta.uid)
-        if other is not None:
-            raise ClaimRejected(
-                f"node {self._node} already serves ComputeDomain {other}; one domain per node"
-            )
+        what = self._check_channel(ref, domain, await self._domains.member_nodes(domain.metadata.uid))
+        await self._reserve_and_label(record)
         mine = next((n for n in domain.status.nodes if n.name == self._node), None)
         if mine is None or mine.status is not DomainStatus.READY:
             state = mine.status.value if mine else "not started"
             raise ClaimRejected(
                 f"waiting for the IMEX daemon of {what} on node {self._node} to become ready ({state})"
             )
+        return await self._write_channel_spec(ref.uid, config)
+
+    def _check_channel(self, ref: ClaimRef, domain: ComputeDomain, members: set[str]) -> str:
+        """Whether this node may serve ``domain``'s channel to ``ref``; the domain as messages name it."""
+        meta = domain.metadata
+        what = f"ComputeDomain {meta.namespace}/{meta.name}"
+        if meta.namespace != ref.namespace:
+            raise ClaimRejected(f"claim {ref} is in namespace {ref.namespace}, but {what} is not")
+        if meta.deletion_timestamp:
+            raise ClaimRejected(f"{what} is being deleted; its channels are no longer handed out")
+        wanted = domain.spec.num_nodes
+        if self._node not in members and wanted and len(members) >= wanted:
+            raise ClaimRejected(
+                f"{what} already has its {wanted} node(s) ({', '.join(sorted(members))}); "
+                f"node {self._node} waits until one of them leaves"
+            )
+        return what
+
+    async def _reserve_and_label(self, record: DomainClaim) -> None:
+        self._reserve(record)  # before the label: an unprepare, also after a crash, removes it
+        other = await self._domains.label_node(record.domain_uid)
+        if other is not None:
+            raise ClaimRejected(
+                f"node {self._node} already serves ComputeDomain {other}; one domain per node"
+            )
+
+    async def _write_channel_spec(self, claim_uid: str, config: ChannelConfig) -> str:
         count = MAX_CHANNELS if config.allocation_mode is ChannelAllocationMode.ALL else 1
         nodes = tuple(channel_node(i, self._channel_major) for i in range(count))
-        device = CdiDevice(name=CHANNEL_DEVICE, device_nodes=nodes)
-        return await self._write_spec(ref.uid, device, ())
+        return await self._write_spec(claim_uid, CdiDevice(name=CHANNEL_DEVICE, device_nodes=nodes), ())
 
     async def _prepare_host_managed_channel(
         self, ref: ClaimRef, domain: ComputeDomain, record: DomainClaim, host_imex: HostImex

@@ -116,6 +116,7 @@ class ComputeDomainPlugin:
         pod_uid: str | None,
         simulated: bool,
         host_imex: HostImex | None = None,
+        binding_conditions: bool = False,
     ) -> None:
         self.names = Names(gpu_driver)
         self._node = node_name
@@ -132,6 +133,9 @@ class ComputeDomainPlugin:
         self._pod_uid = pod_uid
         self._simulated = simulated
         self._host_imex = host_imex  # set: the host-managed IMEX mode, the host's daemon checked so
+        # The channel waits in binding for its IMEX daemon; never in the host-managed mode, whose
+        # host daemon is checked at the kubelet's prepare and brought by nothing the node does.
+        self.binding_conditions = binding_conditions and host_imex is None
         self._plugin: KubeletPlugin | None = None
         self._publisher: SlicePublisher | None = None
         self.preparer: ComputeDomainPreparer | None = None
@@ -194,12 +198,17 @@ class ComputeDomainPlugin:
             self._api, driver=self.names.driver, node_name=self._node, node_uid=self._node_uid
         )
         host_managed = self._host_imex is not None
-        self._publisher.set_desired(compute_domain_slices(clique.clique, daemon=not host_managed))
+        self._publisher.set_desired(
+            compute_domain_slices(
+                clique.clique, daemon=not host_managed, binding_conditions=self.binding_conditions
+            )
+        )
         log.info(
             "serving ComputeDomains",
             driver=self.names.driver,
             clique=clique.clique,
             imex="host-managed" if host_managed else "driver-managed",
+            binding_conditions=self.binding_conditions,
         )
         return True
 

@@ -32,10 +32,12 @@ The conditions are written by server-side apply under a field manager of their o
 writes, are not touched, nor these by it. The write is the same one the plugin already makes, to
 the devices of its own pool of a claim allocated to its node (RBAC ``associated-node:patch``, the
 chart's admission policy). Which claims carry binding conditions is read from the claim alone, so
-another kind of device (a ComputeDomain channel waiting for its IMEX daemon) can use this watcher
-by publishing its own binding conditions and preparing through the same ``prepare_ahead``; a
-shareable GPU (consumable capacity, with ``--share-binding-conditions``) does so: its share's
-prepare starts the GPU's MPS control daemon and waits until it serves clients.
+another kind of device uses this watcher by publishing its own binding conditions and preparing
+through its own ``prepare_ahead``: a shareable GPU (consumable capacity, with
+``--share-binding-conditions``), whose share's prepare starts the GPU's MPS control daemon and waits
+until it serves clients; and a ComputeDomain's channel, a watcher of its own for the compute-domain
+driver on the same watch of the claims, whose prepare labels the node for the domain and waits until
+the domain's IMEX daemon there is Ready (:mod:`dra_driver.computedomain.node`).
 
 On where the API server is 1.36 or newer (``--binding-conditions=auto``, the default). Kubernetes
 refuses every status write of a claim whose opaque config was not sent as kubectl sends it
@@ -55,7 +57,6 @@ from typing import Any, Protocol
 import structlog
 
 from dra_driver.node.claim_status import ClaimStatusApi, StatusWriteError, refusal_reason
-from dra_driver.node.records import ClaimRecord
 from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice
 from dra_driver.resources.devices import FAILED_CONDITION, READY_CONDITION
 
@@ -158,14 +159,28 @@ def condition_entries(
     return entries
 
 
+class AheadRecord(Protocol):
+    """What the watcher reads of a claim's record prepared ahead of binding."""
+
+    @property
+    def namespace(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def device_names(self) -> frozenset[str]: ...
+
+
 class AheadPreparer(Protocol):
-    """What the watcher needs of :class:`dra_driver.node.preparer.NodePreparer`."""
+    """What the watcher needs of a driver's preparer: :class:`dra_driver.node.preparer.NodePreparer`,
+    or the compute-domain driver's :class:`dra_driver.computedomain.node.ComputeDomainPreparer`."""
 
     async def prepare_ahead(self, ref: ClaimRef) -> tuple[PreparedDevice, ...] | ClaimError: ...
 
-    def ahead_of_binding(self) -> dict[str, ClaimRecord]: ...
+    def ahead_of_binding(self) -> Mapping[str, AheadRecord]: ...
 
-    def prepared_ahead(self, uid: str) -> ClaimRecord | None: ...
+    def prepared_ahead(self, uid: str) -> AheadRecord | None: ...
 
     async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, ClaimError | None]: ...
 
@@ -255,7 +270,7 @@ class BindingWatcher:
     async def _settle(self, uid: str, claim: Mapping[str, Any] | None) -> None:
         devices = waiting_devices(claim, self._driver, self._pool) if claim is not None else ()
         ahead = self._preparer.prepared_ahead(uid)
-        if ahead is not None and {d.device for d in ahead.devices} != self._allocated(claim):
+        if ahead is not None and ahead.device_names != self._allocated(claim):
             # The pod will not come for what was made: the claim is gone, or its allocation was
             # taken back (a failed or timed-out binding) or is another one now.
             await self._undo(ClaimRef(ahead.namespace, ahead.name, uid))

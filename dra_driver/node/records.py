@@ -116,6 +116,11 @@ class ClaimRecord(_Record):
     # the file when false, so records stay as earlier versions wrote them.
     ahead_of_binding: bool = Field(default=False, exclude_if=lambda value: not value)
 
+    @property
+    def device_names(self) -> frozenset[str]:
+        """The devices the claim holds (what the binding watcher compares with its allocation)."""
+        return frozenset(device.device for device in self.devices)
+
 
 @dataclass(frozen=True)
 class SharingState:

@@ -69,7 +69,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 
@@ -204,6 +204,14 @@ class Opened:
     moved_aside: Path | None = None  # an untrustworthy store went there: rebuild from the specs
 
 
+DomainPhase = Phase | Literal["PreparingAhead", "PreparedAhead"]
+"""A compute-domain claim's phase: the GPUs' (:data:`~dra_driver.node.records.Phase`), and two of a
+channel prepared ahead of its pod's binding (binding conditions, :mod:`dra_driver.node.binding`):
+PreparingAhead, the node labelled and its IMEX daemon awaited; PreparedAhead, ready and its CDI spec
+written, not yet asked for by the kubelet, whose prepare takes it over (PrepareCompleted). The
+column is plain text, so an older version reading these rows prepares such a claim again."""
+
+
 @dataclass(frozen=True)
 class DomainClaim:
     """A claim of the compute-domain driver: the device it holds and the ComputeDomain it serves."""
@@ -215,8 +223,13 @@ class DomainClaim:
     device: str
     domain_uid: str
     allocation_mode: str | None = None
-    phase: Phase = "PrepareStarted"
+    phase: DomainPhase = "PrepareStarted"
     attempt: str = ""
+
+    @property
+    def device_names(self) -> frozenset[str]:
+        """The devices the claim holds (what the binding watcher compares with its allocation)."""
+        return frozenset((self.device,))
 
 
 DOMAIN_BOOT_KEY = "compute_domains_boot_id"  # the boot the compute-domain driver last started in
@@ -392,12 +405,13 @@ class Store:
         with self._write() as db:
             _put_domain_claim(db, claim)
 
-    def complete_domain_claim(self, uid: str, attempt: str) -> None:
-        """Mark the attempt's record prepared; :class:`MutationRejected` when it is gone or taken over."""
+    def complete_domain_claim(self, uid: str, attempt: str, phase: DomainPhase = "PrepareCompleted") -> None:
+        """Mark the attempt's record prepared (``phase``: PreparedAhead for one made ahead of binding);
+        :class:`MutationRejected` when it is gone or taken over."""
         with self._write() as db:
             changed = db.execute(
-                "UPDATE domain_claims SET phase = 'PrepareCompleted' WHERE uid = ? AND attempt = ?",
-                (uid, attempt),
+                "UPDATE domain_claims SET phase = ? WHERE uid = ? AND attempt = ?",
+                (phase, uid, attempt),
             ).rowcount
             if not changed:
                 raise MutationRejected(
