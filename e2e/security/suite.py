@@ -447,9 +447,11 @@ def claims(namespace: str = TENANT) -> str:
 
 
 def allocation(node: str) -> JsonObject:
-    """A GPU of the driver and a NIC of another driver on `node`, as the scheduler would allocate them."""
+    """A GPU of the driver, its compute-domain driver's channel and a NIC of another driver on `node`,
+    as the scheduler would allocate them."""
     results = [
         {"request": "gpu", "driver": DRIVER, "pool": node, "device": "gpu-0"},
+        {"request": "gpu", "driver": NAMES.driver, "pool": node, "device": "channel-0"},
         {"request": "gpu", "driver": "nic.example.com", "pool": node, "device": "nic-0"},
     ]
     return {
@@ -914,6 +916,26 @@ def plugin_attempts(setup: Setup) -> list[Attempt]:
             _patch(
                 f"{claims()}/claim-b/status",
                 {"status": {"devices": [{**b_entry, "conditions": [_condition("Ready")]}]}},
+            ),
+            CLAIM_STATUS,
+        ),
+        Attempt(
+            "plugin.claim_status",
+            "a ComputeDomain channel's binding condition on a claim of node B",
+            _patch(
+                f"{claims()}/claim-b/status",
+                {
+                    "status": {
+                        "devices": [
+                            {
+                                "driver": NAMES.driver,
+                                "pool": NODE_B,
+                                "device": "channel-0",
+                                "conditions": [_condition("Ready")],
+                            }
+                        ]
+                    }
+                },
             ),
             CLAIM_STATUS,
         ),
@@ -1389,11 +1411,11 @@ def controls(setup: Setup) -> list[Control]:
 
         asyncio.run(write())
 
-    def own_binding_condition() -> None:
+    def own_binding_condition(driver: str = DRIVER, device_name: str = "gpu-0") -> None:
         claim = setup.admin.get(f"{claims()}/claim-a")
         ref = ClaimRef(TENANT, "claim-a", claim["metadata"]["uid"])
-        device = WaitingDevice(NODE_A, "gpu-0", None, ("Ready",), ("PrepareFailed",))
-        entries = condition_entries(DRIVER, [device], (), datetime.now(UTC))
+        device = WaitingDevice(NODE_A, device_name, None, ("Ready",), ("PrepareFailed",))
+        entries = condition_entries(driver, [device], (), datetime.now(UTC))
 
         async def write() -> None:
             configuration = Configuration(
@@ -1403,10 +1425,13 @@ def controls(setup: Setup) -> list[Control]:
                 ssl_ca_cert=str(cluster.ca_file),
             )
             async with ApiClient(configuration) as client:
-                await ApiServerClaimStatus(client).apply_status(ref, entries, f"{DRIVER}/binding")
-                await ApiServerClaimStatus(client).apply_status(ref, [], f"{DRIVER}/binding")
+                await ApiServerClaimStatus(client).apply_status(ref, entries, f"{driver}/binding")
+                await ApiServerClaimStatus(client).apply_status(ref, [], f"{driver}/binding")
 
         asyncio.run(write())
+
+    def own_channel_binding_condition() -> None:
+        own_binding_condition(NAMES.driver, "channel-0")
 
     def daemon_set_and_templates() -> None:
         name = daemon_object_name(domain)
@@ -1470,6 +1495,12 @@ def controls(setup: Setup) -> list[Control]:
             "plugin.claim_status",
             "the Ready binding condition of node A's claim, by the driver's binding watcher",
             own_binding_condition,
+        ),
+        Control(
+            "plugin.claim_status",
+            "the Ready binding condition of node A's ComputeDomain channel, by the compute-domain "
+            "driver's binding watcher",
+            own_channel_binding_condition,
         ),
         Control(
             "controller.daemonsets",
