@@ -192,6 +192,7 @@ class DaemonPodRunner:
     port: int
     log_dir: Path
     _running: dict[str, _Running] = field(default_factory=dict)  # by node name
+    _held: set[str] = field(default_factory=set)  # nodes whose daemon container has not started yet
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -210,6 +211,16 @@ class DaemonPodRunner:
         """SIGKILL the daemon of `node`, as a crash would; the runner starts it again."""
         with self._lock:
             self._running[node].process.kill()
+
+    def hold(self, nodes: set[str]) -> None:
+        """Start no new daemon on `nodes` until :meth:`release`: its pod Running, its IMEX daemon not
+        yet up, as a container whose image is still being pulled."""
+        with self._lock:
+            self._held |= nodes
+
+    def release(self) -> None:
+        with self._lock:
+            self._held.clear()
 
     def running_on(self) -> set[str]:
         with self._lock:
@@ -252,7 +263,8 @@ class DaemonPodRunner:
             for node, pod in wanted.items():
                 run = self._running.get(node)
                 if run is None:
-                    self._begin(node, pod)
+                    if node not in self._held:
+                        self._begin(node, pod)
                 elif run.process.poll() is not None:  # died: restartPolicy Always
                     run.process = self._spawn(node, run.env, run.config_dir)
                     run.restarts += 1

@@ -246,6 +246,50 @@ def _labelled_nodes(rest: RestClient) -> dict[str, str]:
     return {n["metadata"]["name"]: n["metadata"]["labels"][LABEL] for n in items}
 
 
+SCHEDULER_POLL_S = 5.0  # how often the scheduler looks at a claim whose binding conditions it waits for
+
+
+def _workload(name: str, template: str) -> dict[str, Any]:
+    """A bare pod with one channel claim from ``template``."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "containers": [
+                {"name": "ctr", "image": "ubuntu:24.04", "resources": {"claims": [{"name": "channel"}]}}
+            ],
+            "resourceClaims": [{"name": "channel", "resourceClaimTemplateName": template}],
+        },
+    }
+
+
+def _allocated_channel(rest: RestClient, namespace: str, pod: str) -> dict[str, Any]:
+    """The pod's channel claim once the scheduler has allocated it (the pod may still be unbound)."""
+
+    def allocated() -> dict[str, Any] | None:
+        statuses = rest.get(f"/api/v1/namespaces/{namespace}/pods/{pod}")["status"].get(
+            "resourceClaimStatuses"
+        )
+        if not statuses:
+            return None
+        (status,) = statuses
+        path = f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{status['resourceClaimName']}"
+        claim: dict[str, Any] = rest.get(path)
+        return claim if claim.get("status", {}).get("allocation") else None
+
+    found: dict[str, Any] = wait(
+        allocated, timeout=60, what=f"the channel claim of pod {pod} to be allocated"
+    )
+    return found
+
+
+def _channel_conditions(claim: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The conditions of the claim's status.devices entry of the compute-domain driver, by type."""
+    entries = claim.get("status", {}).get("devices") or []
+    return {c["type"]: c for e in entries if e["driver"] == CD_DRIVER for c in e.get("conditions") or []}
+
+
 def test_a_two_node_domain_runs_its_job_on_one_clique_and_cleans_up(rack: Rack, namespace: str) -> None:
     rest = rack.rest
     (domain,) = manifests.load(EXAMPLES / "compute-domain.yaml")
@@ -566,11 +610,13 @@ def test_a_channel_outside_a_domain_is_refused_with_what_to_do(
     manifests.apply(rest, [claim, pod], namespace)
 
     def refusal() -> list[dict[str, Any]]:
+        """The node's refusal: with binding conditions (1.36+) the scheduler's event of the failed
+        binding, whose pod goes back to it; without, the kubelet's failed prepare of the bound pod."""
         items = rest.request("GET", f"/api/v1/namespaces/{namespace}/events")["items"]
-        return [e for e in items if e["reason"] == "FailedPrepareDynamicResources"]
+        return [e for e in items if "outside a ComputeDomain" in (e.get("message") or "")]
 
-    (event, *_) = wait(refusal, timeout=60, what="the kubelet's prepare failure event")
-    assert "outside a ComputeDomain" in event["message"]
+    (event, *_) = wait(refusal, timeout=60, what="the node's refusal in an event of the pod")
+    assert event["reason"] in ("FailedPrepareDynamicResources", "FailedScheduling"), event
     assert "spec.channel.resourceClaimTemplate.name" in event["message"]
     # Refused before anything was done: no node serves a domain, no channel spec was written.
     assert _labelled_nodes(rest) == {}
@@ -597,18 +643,11 @@ def test_a_failing_imex_daemon_keeps_the_domain_not_ready_and_says_why(
         squatters.append(squatter)
     try:
         domain_with_template(rest, namespace, "failing")
-        pod = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "waiting"},
-            "spec": {
-                "containers": [
-                    {"name": "ctr", "image": "ubuntu:24.04", "resources": {"claims": [{"name": "channel"}]}}
-                ],
-                "resourceClaims": [{"name": "channel", "resourceClaimTemplateName": "failing-channel"}],
-            },
-        }
-        manifests.apply(rest, [pod], namespace)
+        manifests.apply(rest, [_workload("waiting", "failing-channel")], namespace)
+        (result,) = _allocated_channel(rest, namespace, "waiting")["status"]["allocation"]["devices"][
+            "results"
+        ]
+        node = result["pool"]  # where the scheduler placed the channel; the pod waits in binding
         failed = wait(
             lambda: (
                 _ready_condition(d := _domain(rest, namespace, "failing")).get("reason") == "DaemonFailed"
@@ -617,7 +656,6 @@ def test_a_failing_imex_daemon_keeps_the_domain_not_ready_and_says_why(
             timeout=90,
             what="the DaemonFailed condition",
         )
-        node = rest.get(f"/api/v1/namespaces/{namespace}/pods/waiting")["spec"]["nodeName"]
         address = f"{rack.runner.pod_ips[node]}:{rack.runner.port}"
         assert _ready_condition(failed)["message"] == (
             f"the IMEX daemon on node {node} failed: IMEX daemon cannot listen on {address}: "
@@ -627,13 +665,16 @@ def test_a_failing_imex_daemon_keeps_the_domain_not_ready_and_says_why(
         assert [(n["name"], n["status"]) for n in failed["status"]["nodes"]] == [(node, "NotReady")]
         (event,) = [e for e in _events(rest, namespace, "failing") if e["reason"] == "DaemonFailed"]
         assert event["type"] == "Warning"
-        # It stays so past the readiness timeout, and the workload waits: prepare holds it until
-        # its node's daemon is ready.
+        # It stays so past the readiness timeout, and the workload waits, unbound: its channel's
+        # binding condition holds it until its node's daemon is ready (and would send it back to the
+        # scheduler after a minute of failure, longer than this test waits).
         time.sleep(READY_TIMEOUT + 3)
         still = _domain(rest, namespace, "failing")
         assert still["status"]["status"] == "NotReady"
         assert _ready_condition(still)["reason"] == "DaemonFailed"
-        assert rest.get(f"/api/v1/namespaces/{namespace}/pods/waiting")["status"].get("phase") == "Pending"
+        waiting = rest.get(f"/api/v1/namespaces/{namespace}/pods/waiting")
+        assert waiting["status"].get("phase") == "Pending"
+        assert not waiting["spec"].get("nodeName")
     finally:
         for squatter in squatters:
             squatter.close()
@@ -650,6 +691,7 @@ def test_a_failing_imex_daemon_keeps_the_domain_not_ready_and_says_why(
         timeout=60,
         what="the workload to run",
     )
+    assert rest.get(f"/api/v1/namespaces/{namespace}/pods/waiting")["spec"]["nodeName"] == node
     assert rack.runner.restarts(node) == 0  # the daemon process never exited: it retried
 
     rest.delete(domains_path(namespace, "failing"))
@@ -658,6 +700,86 @@ def test_a_failing_imex_daemon_keeps_the_domain_not_ready_and_says_why(
     wait(lambda: not _labelled_nodes(rest), timeout=60, what="the node label to go")
     wait(lambda: not rack.runner.running_on(), timeout=60, what="the daemon to stop")
     assert not rest.request("GET", f"/apis/apps/v1/namespaces/{rack.driver_namespace}/daemonsets")["items"]
+    wait(lambda: not _cliques(rack), timeout=30, what="the domain's clique to go")
+
+
+def test_a_workload_waits_in_binding_until_its_imex_daemon_is_ready_then_runs(
+    rack: Rack, namespace: str, api: client.ApiClient
+) -> None:
+    """Binding conditions (Kubernetes 1.36+): the scheduler allocates the channel and waits; the node
+    labels itself at once, so the domain's IMEX daemon pod starts there, and reports the channel
+    Ready once that daemon is; only then is the pod bound, and the kubelet's prepare finds it done.
+    Here the daemon's container is held back (as an image still being pulled) on every tray."""
+    rest = rack.rest
+    rack.runner.hold(set(CLIQUES))
+    try:
+        uid = domain_with_template(rest, namespace, "held")["metadata"]["labels"][LABEL]
+        manifests.apply(rest, [_workload("held", "held-channel")], namespace)
+        claim = _allocated_channel(rest, namespace, "held")
+        (result,) = claim["status"]["allocation"]["devices"]["results"]
+        assert (result["driver"], result["device"]) == (CD_DRIVER, "channel-0")
+        assert result["bindingConditions"] == ["Ready"]
+        assert result["bindingFailureConditions"] == ["PrepareFailed"]
+        node = result["pool"]
+        since = rack.nodes[node].driver.daemon.log_size()
+
+        # Ahead of the binding, the node joined the domain: its daemon pod runs there, the daemon not yet.
+        wait(lambda: _labelled_nodes(rest) == {node: uid}, timeout=30, what="the node to label itself")
+        wait(
+            lambda: [
+                p
+                for p in _pods(rest, rack.driver_namespace, LABEL)
+                if p["spec"].get("nodeName") == node and p["status"].get("phase") == "Running"
+            ],
+            timeout=60,
+            what="the IMEX daemon pod to run on the channel's node",
+        )
+        # Longer than two of the scheduler's polls: the pod stays unbound while its daemon is not ready.
+        time.sleep(2 * SCHEDULER_POLL_S + 1)
+        waiting = rest.get(f"/api/v1/namespaces/{namespace}/pods/held")
+        assert not waiting["spec"].get("nodeName"), "bound before its IMEX daemon was ready"
+        assert "Ready" not in _channel_conditions(
+            rest.get(
+                f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{claim['metadata']['name']}"
+            )
+        )
+        events = rest.request(
+            "GET",
+            f"/api/v1/namespaces/{namespace}/events",
+            query={"fieldSelector": "involvedObject.name=held"},
+        )["items"]
+        assert "BindingConditionsPending" in {e["reason"] for e in events}
+        assert node not in rack.runner.running_on()
+        assert _domain(rest, namespace, "held").get("status", {}).get("status") != "Ready"
+    finally:
+        rack.runner.release()
+
+    # The daemon starts and turns Ready; the node reports the channel Ready; the scheduler binds.
+    running = wait(
+        lambda: (
+            (p := rest.get(f"/api/v1/namespaces/{namespace}/pods/held"))["status"].get("phase") == "Running"
+            and p
+        ),
+        timeout=60,
+        what="the workload to run",
+    )
+    assert running["spec"]["nodeName"] == node
+    claim = rest.get(
+        f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{claim['metadata']['name']}"
+    )
+    ready = _channel_conditions(claim)["Ready"]
+    assert (ready["status"], ready["reason"]) == ("True", "Prepared")
+    (cdi_id,) = yaml.safe_load(running["metadata"]["annotations"][CDI_ANNOTATION])["ctr"]
+    assert cdi_id == f"k8s.{CD_DRIVER}/claim={claim['metadata']['uid']}-channel-0"
+    log = rack.nodes[node].driver.daemon.log_since(since)
+    assert "channel prepared ahead of binding: the node's IMEX daemon is ready" in log
+    assert "channel prepared ahead of binding; the kubelet takes it over" in log
+
+    rest.delete(domains_path(namespace, "held"))
+    client.CoreV1Api(api).delete_namespaced_pod("held", namespace, grace_period_seconds=0)
+    wait(lambda: not rest.request("GET", domains_path(namespace))["items"], timeout=90, what="deletion")
+    wait(lambda: not _labelled_nodes(rest), timeout=60, what="the node label to go")
+    wait(lambda: not rack.runner.running_on(), timeout=60, what="the daemon to stop")
     wait(lambda: not _cliques(rack), timeout=30, what="the domain's clique to go")
 
 
