@@ -783,6 +783,68 @@ def test_a_workload_waits_in_binding_until_its_imex_daemon_is_ready_then_runs(
     wait(lambda: not _cliques(rack), timeout=30, what="the domain's clique to go")
 
 
+def test_a_workload_whose_imex_daemon_keeps_failing_goes_back_to_the_scheduler_with_the_reason(
+    rack: Rack, namespace: str, api: client.ApiClient
+) -> None:
+    """Binding conditions: after a minute of its daemon failing, the node fails the channel's binding
+    and leaves the domain; the scheduler takes the allocation back and tries again, the pod never
+    bound meanwhile. Once the daemon can start, the pod runs."""
+    rest = rack.rest
+    squatters = []
+    for node in CLIQUES:  # the daemon's peer port taken on every tray: its IMEX part cannot start
+        squatter = socket.socket()
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind((rack.runner.pod_ips[node], rack.runner.port))
+        squatter.listen()
+        squatters.append(squatter)
+    try:
+        domain_with_template(rest, namespace, "doomed")
+        manifests.apply(rest, [_workload("doomed", "doomed-channel")], namespace)
+
+        def failure_reported() -> str | None:
+            """The scheduler's event naming the node's reason, once the binding failed."""
+            items = rest.request(
+                "GET",
+                f"/api/v1/namespaces/{namespace}/events",
+                query={"fieldSelector": "involvedObject.name=doomed"},
+            )["items"]
+            return next(
+                (str(e["message"]) for e in items if "failed for 60s" in (e.get("message") or "")), None
+            )
+
+        message = wait(failure_reported, timeout=150, what="the binding failure's event")
+        assert "device binding failed" in message  # the scheduler's words, then the node's
+        assert "reason=PrepareFailed" in message
+        assert f"the IMEX daemon of ComputeDomain {namespace}/doomed on node " in message
+        assert "IMEX daemon cannot listen on" in message  # the daemon's own reason
+        assert not rest.get(f"/api/v1/namespaces/{namespace}/pods/doomed")["spec"].get("nodeName")
+    finally:
+        for squatter in squatters:
+            squatter.close()
+
+    running = wait(
+        lambda: (
+            (p := rest.get(f"/api/v1/namespaces/{namespace}/pods/doomed"))["status"].get("phase") == "Running"
+            and p
+        ),
+        timeout=120,
+        what="the workload to run once its daemon can start",
+    )
+    claim = _allocated_channel(rest, namespace, "doomed")
+    assert _channel_conditions(claim)["Ready"]["status"] == "True"
+    assert "PrepareFailed" not in _channel_conditions(claim)  # the allocation was taken back and made anew
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    assert result["pool"] == running["spec"]["nodeName"]
+    assert _labelled_nodes(rest) == {result["pool"]: _domain(rest, namespace, "doomed")["metadata"]["uid"]}
+
+    rest.delete(domains_path(namespace, "doomed"))
+    client.CoreV1Api(api).delete_namespaced_pod("doomed", namespace, grace_period_seconds=0)
+    wait(lambda: not rest.request("GET", domains_path(namespace))["items"], timeout=90, what="deletion")
+    wait(lambda: not _labelled_nodes(rest), timeout=60, what="the node label to go")
+    wait(lambda: not rack.runner.running_on(), timeout=60, what="the daemon to stop")
+    wait(lambda: not _cliques(rack), timeout=30, what="the domain's clique to go")
+
+
 def test_of_two_controllers_one_leads_and_a_killed_leader_hands_over(rack: Rack, namespace: str) -> None:
     """Two replicas: only the Lease holder reconciles; SIGKILLed (no release), the other takes over."""
     rest = rack.rest
