@@ -39,8 +39,10 @@ lint: venv
 	helm=$(HELM) && $$helm lint --strict $(CHART) && \
 	  for values in $(CHART)/ci/*-values.yaml; do $$helm lint --strict $(CHART) --values $$values || exit 1; done
 
-## unit: unit and component tests (no control plane needed; helm renders the chart)
+## unit: unit and component tests (no control plane needed; helm renders the chart). As root it installs
+## the Debian packages first (make deps): the host-managed IMEX check runs chrooted on busybox-static
 unit: venv kube-build mock-nvml
+	@if [ "$$(id -u)" = 0 ]; then hack/install-deps.sh; fi
 	$(PYTHON) -m pytest tests
 
 ## e2e: integration and end-to-end tests against the real control plane and the kubelet harness, and
