@@ -575,12 +575,7 @@ class ComputeDomainPreparer:
 
     def _check_channel(self, ref: ClaimRef, domain: ComputeDomain, members: set[str]) -> str:
         """Whether this node may serve ``domain``'s channel to ``ref``; the domain as messages name it."""
-        meta = domain.metadata
-        what = f"ComputeDomain {meta.namespace}/{meta.name}"
-        if meta.namespace != ref.namespace:
-            raise ClaimRejected(f"claim {ref} is in namespace {ref.namespace}, but {what} is not")
-        if meta.deletion_timestamp:
-            raise ClaimRejected(f"{what} is being deleted; its channels are no longer handed out")
+        what = _channel_domain(ref, domain)
         wanted = domain.spec.num_nodes
         if self._node not in members and wanted and len(members) >= wanted:
             raise ClaimRejected(
@@ -613,12 +608,7 @@ class ComputeDomainPreparer:
         whatever the allocationMode, as NVIDIA's plugin does in this mode (the host's IMEX domain
         has that one channel to give; the controller's template asks for Single).
         """
-        meta = domain.metadata
-        what = f"ComputeDomain {meta.namespace}/{meta.name}"
-        if meta.namespace != ref.namespace:
-            raise ClaimRejected(f"claim {ref} is in namespace {ref.namespace}, but {what} is not")
-        if meta.deletion_timestamp:
-            raise ClaimRejected(f"{what} is being deleted; its channels are no longer handed out")
+        _channel_domain(ref, domain)
         reason = await asyncio.to_thread(host_imex.not_ready)
         if reason is not None:
             raise ClaimRejected(
@@ -714,6 +704,18 @@ def _write_atomically(path: Path, text: str) -> None:
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise
+
+
+def _channel_domain(ref: ClaimRef, domain: ComputeDomain) -> str:
+    """``domain`` as messages name it, once it may hand ``ref`` a channel in either IMEX mode: the
+    claim is in the domain's namespace and the domain is not being deleted."""
+    meta = domain.metadata
+    what = f"ComputeDomain {meta.namespace}/{meta.name}"
+    if meta.namespace != ref.namespace:
+        raise ClaimRejected(f"claim {ref} is in namespace {ref.namespace}, but {what} is not")
+    if meta.deletion_timestamp:
+        raise ClaimRejected(f"{what} is being deleted; its channels are no longer handed out")
+    return what
 
 
 def _conflict(uid: str, refused: MutationRejected) -> Conflict:
