@@ -68,7 +68,7 @@ def test_a_tenants_attempts_fail_for_its_own_claim_alone(report: suite.JsonObjec
 def test_what_the_driver_writes_still_passes_the_policies(report: suite.JsonObject) -> None:
     controls = report["controls"]
     assert controls["failed"] == 0, controls["list"]
-    assert controls["passed"] == 15
+    assert controls["passed"] == 16
     policies = report["policies"]
     assert len(policies) >= 7, sorted(policies)
     assert all(p["bound"] and not p["warnings"] for p in policies.values()), policies
