@@ -284,6 +284,19 @@ def _allocated_channel(rest: RestClient, namespace: str, pod: str) -> dict[str, 
     return found
 
 
+@contextlib.contextmanager
+def _peer_port_taken_on_every_tray(rack: Rack) -> Iterator[None]:
+    """The IMEX daemons' peer port held by another listener on every tray while inside: a daemon
+    there cannot start its IMEX part (it fails and retries), and can once the block is left."""
+    with contextlib.ExitStack() as squatters:
+        for node in CLIQUES:
+            squatter = squatters.enter_context(socket.socket())
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            squatter.bind((rack.runner.pod_ips[node], rack.runner.port))
+            squatter.listen()
+        yield
+
+
 def _channel_conditions(claim: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The conditions of the claim's status.devices entry of the compute-domain driver, by type."""
     entries = claim.get("status", {}).get("devices") or []
@@ -634,14 +647,7 @@ def test_a_failing_imex_daemon_keeps_the_domain_not_ready_and_says_why(
     """NVIDIA #289: a domain must not turn Ready while its IMEX daemon fails. Here the daemon's peer
     port is taken on every tray, so its IMEX part cannot start; once the port is free it recovers."""
     rest = rack.rest
-    squatters = []
-    for node in CLIQUES:
-        squatter = socket.socket()
-        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        squatter.bind((rack.runner.pod_ips[node], rack.runner.port))
-        squatter.listen()
-        squatters.append(squatter)
-    try:
+    with _peer_port_taken_on_every_tray(rack):
         domain_with_template(rest, namespace, "failing")
         manifests.apply(rest, [_workload("waiting", "failing-channel")], namespace)
         (result,) = _allocated_channel(rest, namespace, "waiting")["status"]["allocation"]["devices"][
@@ -675,9 +681,6 @@ def test_a_failing_imex_daemon_keeps_the_domain_not_ready_and_says_why(
         waiting = rest.get(f"/api/v1/namespaces/{namespace}/pods/waiting")
         assert waiting["status"].get("phase") == "Pending"
         assert not waiting["spec"].get("nodeName")
-    finally:
-        for squatter in squatters:
-            squatter.close()
 
     # The port is free again: the daemon's next try starts, the domain turns Ready, the pod runs.
     wait(
@@ -790,14 +793,7 @@ def test_a_workload_whose_imex_daemon_keeps_failing_goes_back_to_the_scheduler_w
     and leaves the domain; the scheduler takes the allocation back and tries again, the pod never
     bound meanwhile. Once the daemon can start, the pod runs."""
     rest = rack.rest
-    squatters = []
-    for node in CLIQUES:  # the daemon's peer port taken on every tray: its IMEX part cannot start
-        squatter = socket.socket()
-        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        squatter.bind((rack.runner.pod_ips[node], rack.runner.port))
-        squatter.listen()
-        squatters.append(squatter)
-    try:
+    with _peer_port_taken_on_every_tray(rack):  # the daemons' IMEX part cannot start
         domain_with_template(rest, namespace, "doomed")
         manifests.apply(rest, [_workload("doomed", "doomed-channel")], namespace)
 
@@ -818,9 +814,6 @@ def test_a_workload_whose_imex_daemon_keeps_failing_goes_back_to_the_scheduler_w
         assert f"the IMEX daemon of ComputeDomain {namespace}/doomed on node " in message
         assert "IMEX daemon cannot listen on" in message  # the daemon's own reason
         assert not rest.get(f"/api/v1/namespaces/{namespace}/pods/doomed")["spec"].get("nodeName")
-    finally:
-        for squatter in squatters:
-            squatter.close()
 
     running = wait(
         lambda: (

@@ -505,12 +505,10 @@ class ComputeDomainPreparer:
             else:
                 if domain is None:
                     raise ClaimRejected(f"{what} no longer exists; claim {ref} cannot get its channel")
-                if domain.metadata.deletion_timestamp:
-                    raise ClaimRejected(f"{what} is being deleted; its channels are no longer handed out")
-                mine = next((n for n in domain.status.nodes if n.name == self._node), None)
-                if mine is not None and mine.status is DomainStatus.READY:
+                _channel_domain(ref, domain)  # not being deleted meanwhile
+                state = self._daemon_state(domain)
+                if state == DomainStatus.READY:
                     return
-                state = mine.status.value if mine else "not started"
                 failure = daemon_failure(domain, self._node)
                 now = self._clock()
                 if failure is None:
@@ -565,13 +563,18 @@ class ComputeDomainPreparer:
     ) -> str:
         what = self._check_channel(ref, domain, await self._domains.member_nodes(domain.metadata.uid))
         await self._reserve_and_label(record)
-        mine = next((n for n in domain.status.nodes if n.name == self._node), None)
-        if mine is None or mine.status is not DomainStatus.READY:
-            state = mine.status.value if mine else "not started"
+        state = self._daemon_state(domain)
+        if state != DomainStatus.READY:
             raise ClaimRejected(
                 f"waiting for the IMEX daemon of {what} on node {self._node} to become ready ({state})"
             )
         return await self._write_channel_spec(ref.uid, config)
+
+    def _daemon_state(self, domain: ComputeDomain) -> str:
+        """This node's IMEX daemon of ``domain`` as the domain's status has it: Ready, NotReady, or
+        "not started" while the status does not list the node yet."""
+        mine = next((n for n in domain.status.nodes if n.name == self._node), None)
+        return mine.status.value if mine else "not started"
 
     def _check_channel(self, ref: ClaimRef, domain: ComputeDomain, members: set[str]) -> str:
         """Whether this node may serve ``domain``'s channel to ``ref``; the domain as messages name it."""
