@@ -193,8 +193,8 @@ def _kib_to_mib(field: str) -> float:
 
 
 # What the daemon imports, as the benchmark runs it (with an HTTP address): the sockets' part
-# (dra_driver.launch), then the rest behind them.
-DAEMON_MODULES = "dra_driver.launch, dra_driver.app, dra_driver.http"
+# (dra_driver.gpu_plugin.launch), then the rest behind them.
+DAEMON_MODULES = "dra_driver.gpu_plugin.launch, dra_driver.gpu_plugin.app, dra_driver.gpu_plugin.http"
 
 
 def python_seconds(code: str) -> float:

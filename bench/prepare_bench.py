@@ -36,7 +36,7 @@ from bench.report import (
     table,
 )
 from bench.stats import Latency
-from dra_driver.app import api_client
+from dra_driver.gpu_plugin.app import api_client
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
 from dra_driver.node.types import ClaimRef
 from dra_driver.settings import DEFAULT_DRIVER_NAME, Settings

@@ -52,8 +52,8 @@ from bench.scale_checks import (
     request_counts,
     steady_requests,
 )
-from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.settings import DEFAULT_DRIVER_NAME
+from dra_driver.simulated.gpus import SimulatedBackend
 from e2e import manifests
 from e2e.cluster import ApiError, ClusterInfo, ControlPlane, RestClient, ensure_control_plane_binaries
 from e2e.cluster.nodes import GPU_NODE_LABELS

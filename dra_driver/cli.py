@@ -10,7 +10,7 @@ there) ends the command in :func:`main` with one line on stderr and a non-zero e
 :mod:`dra_driver.errors`.
 
 Each command imports what it needs when it runs: the daemon opens its kubelet sockets before it
-imports the API client, aiohttp or the GPU backends (:mod:`dra_driver.launch`).
+imports the API client, aiohttp or the GPU backends (:mod:`dra_driver.gpu_plugin.launch`).
 """
 
 from __future__ import annotations
@@ -24,36 +24,32 @@ import signal
 import sys
 import tempfile
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import structlog
 import yaml
+from pydantic import ValidationError
 
 from dra_driver import __version__
-from dra_driver.cli_settings import (
-    add_settings_flags,
-    requested_log_format,
-    settings_from,
-    unknown_env_settings,
-)
 from dra_driver.computedomain.cli import add_commands as add_compute_domain_commands
 from dra_driver.devices.backend import DeviceError
-from dra_driver.devices.sim_nodes import NODE_PROFILES
 from dra_driver.devices.types import Gpu
 from dra_driver.errors import EXIT_FAILURE, EXIT_USAGE, StartupError
+from dra_driver.gpu_plugin.startup import check_mig_partitions
 from dra_driver.kubelet.sockets import KubeletSocketError
 from dra_driver.log import configure, crash_line, error_line, wants_json
 from dra_driver.node.records import BootIdUnavailable
 from dra_driver.node.store import StoreFromNewerDriver
-from dra_driver.settings import Settings, xid_numbers
-from dra_driver.startup import check_mig_partitions
+from dra_driver.settings import ENV_PREFIX, LogFormat, Settings, xid_numbers
+from dra_driver.simulated.nodes import NODE_PROFILES
 
 if TYPE_CHECKING:
     from kubernetes.aio.client import ApiClient
 
-    from dra_driver.devices.simulated import SimulatedBackend
+    from dra_driver.simulated.gpus import SimulatedBackend
 
 log = structlog.get_logger("dra_driver.cli")
 _SETTINGS_DOC = "dra-driver kubelet-plugin --help, or docs/configuration.md"
@@ -228,7 +224,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _kubelet_plugin(args: argparse.Namespace) -> int:
-    from dra_driver.launch import run_plugin
+    from dra_driver.gpu_plugin.launch import run_plugin
 
     settings = settings_from(args)
     configure(settings.log_format, settings.log_level)
@@ -244,7 +240,7 @@ def _kubelet_plugin(args: argparse.Namespace) -> int:
 
 
 def _state(args: argparse.Namespace) -> int:
-    from dra_driver import state_command
+    from dra_driver.gpu_plugin import state_command
 
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `dra-driver state | head` ends quietly
     settings = settings_from(args)
@@ -253,8 +249,8 @@ def _state(args: argparse.Namespace) -> int:
 
 
 def _webhook(args: argparse.Namespace) -> int:
-    from dra_driver.rest import JsonApi
-    from dra_driver.webhook import serve_webhook
+    from dra_driver.apiserver.rest import JsonApi
+    from dra_driver.webhook.server import serve_webhook
 
     settings = settings_from(args)
     configure(settings.log_format, settings.log_level)
@@ -294,14 +290,14 @@ async def _webhook_api_client(settings: Settings) -> ApiClient | None:
     if settings.kubeconfig is None and "KUBERNETES_SERVICE_HOST" not in os.environ:
         log.warning("no --kubeconfig and not in a pod: capacity requests are not checked")
         return None
-    from dra_driver.app import api_client
+    from dra_driver.gpu_plugin.app import api_client
 
     return await api_client(settings)
 
 
 def _inventory(args: argparse.Namespace) -> int:
-    from dra_driver.app import desired_slices
     from dra_driver.devices.backends import open_backend
+    from dra_driver.gpu_plugin.app import desired_slices
     from dra_driver.resources.pool import PoolOwner, plan_pool
     from dra_driver.resources.server_rules import NEWEST, rules_of_release
 
@@ -374,7 +370,7 @@ def _gpu_line(gpu: Gpu) -> str:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from dra_driver.devices.simulated import SimulatedBackend
+    from dra_driver.simulated.gpus import SimulatedBackend
 
     settings = settings_from(args)
     if not settings.simulate:
@@ -411,3 +407,80 @@ def _apply_simulation(backend: SimulatedBackend, args: argparse.Namespace, gpu: 
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# --- Settings as flags: a flag and its env var never drift apart ---------------------------------
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def add_settings_flags(parser: argparse.ArgumentParser, fields: list[str] | None = None) -> None:
+    """Add one flag per setting; unset flags stay absent so the environment can supply them."""
+    for name, info in Settings.model_fields.items():
+        if fields is not None and name not in fields:
+            continue
+        annotation: Any = info.annotation
+        choices = (
+            [member.value for member in annotation]
+            if isinstance(annotation, type) and issubclass(annotation, Enum)
+            else None
+        )
+        default = info.default.value if isinstance(info.default, Enum) else info.default
+        # A switch may stand alone: `--consumable-capacity` is `--consumable-capacity true`.
+        switch: dict[str, Any] = {"nargs": "?", "const": "true"} if annotation is bool else {}
+        parser.add_argument(
+            flag_name(name),
+            dest=name,
+            default=argparse.SUPPRESS,
+            choices=choices,
+            **switch,
+            metavar=None if choices else name.split("_")[-1].upper(),
+            help=f"{info.description} [env {env_name(name)}; default {default!s:.60}]",
+        )
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    """Build settings from parsed flags (over env vars, over defaults).
+
+    Raises :class:`StartupError` (exit 2) naming every bad setting by flag and env var, in one line.
+    """
+    given = {name: value for name, value in vars(args).items() if name in Settings.model_fields}
+    try:
+        return Settings(**given)
+    except ValidationError as err:
+        raise StartupError("; ".join(map(_describe, err.errors())), exit_code=EXIT_USAGE) from None
+
+
+def _describe(problem: Any) -> str:
+    field = str(problem["loc"][0]) if problem["loc"] else "?"
+    message = str(problem["msg"]).removeprefix("Value error, ")  # pydantic's prefix for a ValueError
+    return f"invalid setting {flag_name(field)} / {env_name(field)} = {problem.get('input')!r}: {message}"
+
+
+def unknown_env_settings(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """``DRA_*`` variables that name no setting: a typo such as DRA_MIG_PARTITION is otherwise ignored."""
+    known = {env_name(name) for name in Settings.model_fields}
+    return sorted(name for name in environ if name.startswith(ENV_PREFIX) and name not in known)
+
+
+def requested_log_format(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> LogFormat:
+    """The log format asked for, read leniently: errors must be reported before settings are valid.
+
+    ``--log-format X`` or ``--log-format=X`` wins over ``DRA_LOG_FORMAT``; anything unknown is auto.
+    """
+    flag, value = flag_name("log_format"), environ.get(env_name("log_format"), "")
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.partition("=")[2]
+    try:
+        return LogFormat(value)
+    except ValueError:
+        return LogFormat.AUTO

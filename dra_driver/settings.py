@@ -23,10 +23,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from dra_driver.devices.driver_root import parse_capabilities
 from dra_driver.devices.faults import APPLICATION_XIDS, GPU_LOST_XIDS
-from dra_driver.devices.sim_nodes import NODE_PROFILES
 from dra_driver.names import DNS_LABEL_RULE, DNS_SUBDOMAIN_RULE, is_dns_label, is_dns_subdomain, is_uid
 from dra_driver.resources.quantity import parse_quantity
 from dra_driver.resources.taints import TaintEffect
+from dra_driver.simulated.nodes import NODE_PROFILES
 
 ENV_PREFIX = "DRA_"
 DEFAULT_DRIVER_NAME = "gpu.dra-driver.dev"

@@ -20,9 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from dra_driver.cdi.store import SpecStore
 from dra_driver.devices.driver_root import REQUIRED_LIBRARIES
 from dra_driver.devices.nvml import NvmlBackend
-from dra_driver.devices.simulated import DRIVER_VERSION, SimulatedBackend
 from dra_driver.devices.types import Inventory
 from dra_driver.settings import DEFAULT_DRIVER_NAME
+from dra_driver.simulated.gpus import DRIVER_VERSION, SimulatedBackend
 from e2e.cluster.controlplane import free_ports
 from e2e.daemon import Daemon
 from tests.mock_nvml import MockNvml, install_driver_root, install_procfs, mock_environment

@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 import pytest
 
-from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.resources.server_rules import rules_for
+from dra_driver.simulated.gpus import SimulatedBackend
 from e2e import manifests
 from e2e.claims import GPU_CLASS, claim_for_gpu, gpu_uuid, pod_using
 from e2e.cluster import ClusterInfo, JsonObject, RestClient

@@ -29,8 +29,8 @@ import yaml
 
 from dra_driver.cdi.spec import cdi_device_id
 from dra_driver.devices.driver_root import REQUIRED_LIBRARIES
-from dra_driver.devices.simulated import DRIVER_VERSION
 from dra_driver.resources.server_rules import rules_for
+from dra_driver.simulated.gpus import DRIVER_VERSION
 from e2e.cluster import (
     GPU_NODE_LABELS,
     ApiError,

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from dra_driver.computedomain.plugin import SIMULATED_CHANNEL_MAJOR
-from dra_driver.devices.simulated import SimulatedBackend
+from dra_driver.simulated.gpus import SimulatedBackend
 from e2e import manifests
 from e2e.cluster import ApiError, ClusterInfo, RestClient
 from e2e.cluster.credentials import write_kubeconfig

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from dra_driver.app import desired_slices
-from dra_driver.devices.sim_nodes import NODE_PROFILES
-from dra_driver.devices.simulated import SimulatedBackend
+from dra_driver.gpu_plugin.app import desired_slices
 from dra_driver.resources.pool import PoolOwner, dropped_fields, plan_pool
 from dra_driver.resources.server_rules import rules_for
 from dra_driver.resources.wire import ResourceSlice
 from dra_driver.settings import Settings
+from dra_driver.simulated.gpus import SimulatedBackend
+from dra_driver.simulated.nodes import NODE_PROFILES
 from e2e import manifests
 from e2e.claims import claim_and_pod
 from e2e.cluster import ClusterInfo, FakeNodeFactory, JsonObject, RestClient

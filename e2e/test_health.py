@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dra_driver.devices.simulated import SimulatedBackend
+from dra_driver.simulated.gpus import SimulatedBackend
 from e2e.claims import claim_of, gpu_uuid, run_on_gpu, wait_unschedulable
 from e2e.cluster import ClusterInfo, JsonObject, RestClient
 from e2e.cluster.features import kube_minor

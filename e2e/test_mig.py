@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import Gpu, MigDevice
 from dra_driver.resources.naming import mig_device_name
 from dra_driver.resources.server_rules import rules_for
+from dra_driver.simulated.gpus import SimulatedBackend
 from e2e import manifests
 from e2e.cluster import ClusterInfo, JsonObject, RestClient
 from e2e.daemon import wait_until

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from kubernetes.aio.client import ApiClient, Configuration
 
+from dra_driver.apiserver.rest import JsonApi
 from dra_driver.node.sharing.mps import MpsDaemonError, MpsDaemonSpec, MpsDevice, daemon_id
 from dra_driver.node.sharing.mps_deployment import (
     CLAIM_LABEL,
@@ -25,7 +26,6 @@ from dra_driver.node.sharing.mps_deployment import (
     DeploymentMpsDaemons,
     deployment_name,
 )
-from dra_driver.rest import JsonApi
 from e2e.cluster import JsonObject, RestClient
 
 pytestmark = pytest.mark.cluster

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import ComputeMode, ComputePolicy, TimeSlice
-from dra_driver.node.sharing.mps_local import LocalMpsDaemons
+from dra_driver.simulated.gpus import SimulatedBackend
+from dra_driver.simulated.mps_daemons import LocalMpsDaemons
 from e2e import manifests
 from e2e.cluster import JsonObject, RestClient
 from e2e.daemon import wait_until

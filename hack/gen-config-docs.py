@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from dra_driver.cli_settings import env_name, flag_name
+from dra_driver.cli import env_name, flag_name
 from dra_driver.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent

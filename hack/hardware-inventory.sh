@@ -6,7 +6,7 @@
 # with the GPU catalog and the driver's profile naming (tests/devices/test_hardware_report.py).
 #
 # It NEVER changes the GPUs: no MIG-mode switch, no reset, no GPU or compute instance created or
-# destroyed, no compute mode set (the backend is opened read-only; see dra_driver/hardware_report.py).
+# destroyed, no compute mode set (the backend is opened read-only; see dra_driver/hardware_report/report.py).
 #
 #   hack/hardware-inventory.sh [--driver-root DIR] [--procfs-root DIR] [--sysfs-root DIR] [-o FILE]
 #

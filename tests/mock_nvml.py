@@ -21,8 +21,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from dra_driver.devices.sim_sysfs import SimulatedKernel, gpu_tree
 from dra_driver.devices.types import Inventory
+from dra_driver.simulated.sysfs import SimulatedKernel, gpu_tree
 
 REPO = Path(__file__).resolve().parents[1]
 NVML_SONAME = "libnvidia-ml.so.1"
@@ -172,7 +172,7 @@ def install_gpu_tree(sysfs: Path, inventory: Inventory) -> SimulatedKernel:
     """The sysfs tree passthrough works on for the mock's GPUs, as the simulator builds its own.
 
     Each GPU of ``inventory`` (read through NVML before the tree exists) on nvidia, alone in its
-    IOMMU group, with BARs sized from its memory (:func:`dra_driver.devices.sim_sysfs.gpu_tree`).
+    IOMMU group, with BARs sized from its memory (:func:`dra_driver.simulated.sysfs.gpu_tree`).
     Returns the stand-in for the kernel that acts on the driver's writes into the tree: an
     :class:`~dra_driver.devices.nvml.NvmlBackend` made with ``pci_write=kernel.write`` binds
     there, and a mock configured with ``sysfs_root`` stops listing a GPU the tree has off nvidia.

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dra_driver.bounded_json import MAX_DEPTH, TooDeep, loads, loads_pruned
+from dra_driver.apiserver.bounded_json import MAX_DEPTH, TooDeep, loads, loads_pruned
 
 
 def nested(depth: int, leaf: str = "1") -> str:

@@ -20,9 +20,9 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from dra_driver.cli_settings import env_name
-from dra_driver.devices.sim_nodes import NODE_PROFILES
+from dra_driver.cli import env_name
 from dra_driver.settings import LogFormat, Settings
+from dra_driver.simulated.nodes import NODE_PROFILES
 from e2e.cluster.binaries import REPO_ROOT, build_outputs
 
 CHART = REPO_ROOT / "charts" / "dra-driver-gpu"

@@ -25,40 +25,38 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dra_driver"
 # Lowest first. A module may import modules of its own layer and of the layers below it.
 # ``pkg.*`` is the package and everything under it; a plain name is that one module.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("dra_driver", "dra_driver.errors", "dra_driver.names", "dra_driver.crashpoint")),
     (
-        "base",
+        "devices",  # hardware, real or simulated; knows no Kubernetes (see FORBIDDEN_EXTERNAL)
         (
-            "dra_driver",
-            "dra_driver.errors",
-            "dra_driver.names",
-            "dra_driver.crashpoint",
-            "dra_driver.bounded_json",
+            "dra_driver.devices.*",
+            "dra_driver.simulated",
+            "dra_driver.simulated.gpus",
+            "dra_driver.simulated.nodes",
+            "dra_driver.simulated.state",
+            "dra_driver.simulated.sysfs",
         ),
     ),
-    ("devices", ("dra_driver.devices.*",)),  # hardware; knows no Kubernetes (see FORBIDDEN_EXTERNAL)
-    ("kube", ("dra_driver.kube", "dra_driver.rest", "dra_driver.informer")),  # the API-server edge
+    ("apiserver", ("dra_driver.apiserver.*",)),  # the API-server edge
     ("cdi", ("dra_driver.cdi.*",)),  # the runtime's view
     ("resources", ("dra_driver.resources.*", "dra_driver.labels.*")),  # the Kubernetes view
-    ("node", ("dra_driver.node.*",)),  # prepare/unprepare, the node's store
+    (
+        "node",  # prepare/unprepare, the node's store, and the MPS daemons a prepare starts
+        ("dra_driver.node.*", "dra_driver.simulated.mps_daemons", "dra_driver.simulated.mps_control"),
+    ),
     ("kubelet", ("dra_driver.kubelet.*",)),  # gRPC adapters; see KUBELET_MAY_USE
     (
-        "programs",
+        "programs",  # a package per program, and the entry point, CLI and settings they share
         (
             "dra_driver.__main__",
             "dra_driver.cli",
-            "dra_driver.cli_settings",
             "dra_driver.settings",
             "dra_driver.log",
-            "dra_driver.launch",
-            "dra_driver.app",
-            "dra_driver.startup",
-            "dra_driver.memory",
-            "dra_driver.http",
-            "dra_driver.metrics",
-            "dra_driver.webhook",
-            "dra_driver.hardware_report",
-            "dra_driver.state_command",
+            "dra_driver.gpu_plugin.*",
+            "dra_driver.webhook.*",
+            "dra_driver.hardware_report.*",
             "dra_driver.computedomain.*",
+            "dra_driver.simulated.imex_daemon",
         ),
     ),
 ]
@@ -73,13 +71,13 @@ FORBIDDEN_EXTERNAL: Mapping[str, tuple[str, ...]] = {"devices": ("kubernetes", "
 # What is not real: the simulated GPUs and what acts on them, and the stand-ins for NVIDIA's
 # programs. (devices/faults.py is not one: it is what a fault *is*, read from NVML on a real node.)
 STAND_INS = (
-    "dra_driver.devices.simulated",
-    "dra_driver.devices.sim_nodes",
-    "dra_driver.devices.sim_state",
-    "dra_driver.devices.sim_sysfs",
-    "dra_driver.node.sharing.mps_local",
-    "dra_driver.node.sharing.mps_standin",
-    "dra_driver.computedomain.daemon",  # the simulated IMEX daemon
+    "dra_driver.simulated.gpus",
+    "dra_driver.simulated.nodes",
+    "dra_driver.simulated.state",
+    "dra_driver.simulated.sysfs",
+    "dra_driver.simulated.mps_daemons",
+    "dra_driver.simulated.mps_control",
+    "dra_driver.simulated.imex_daemon",  # the simulated IMEX daemon
 )
 
 # The real modules that use a stand-in today, each under its why. Every one is a switch between the
@@ -88,19 +86,19 @@ STAND_INS = (
 STAND_IN_USERS: frozenset[tuple[str, str]] = frozenset(
     {
         # the switch: --simulate picks the backend
-        ("dra_driver.devices.backends", "dra_driver.devices.simulated"),
+        ("dra_driver.devices.backends", "dra_driver.simulated.gpus"),
         # open_health_source: a simulated backend's faults come from the simulator's state file
-        ("dra_driver.devices.health", "dra_driver.devices.simulated"),
+        ("dra_driver.devices.health", "dra_driver.simulated.gpus"),
         # a simulated node runs its MPS daemons as local processes, beside the simulator's state
-        ("dra_driver.app", "dra_driver.node.sharing.mps_local"),
-        ("dra_driver.app", "dra_driver.devices.simulated"),
+        ("dra_driver.gpu_plugin.app", "dra_driver.simulated.mps_daemons"),
+        ("dra_driver.gpu_plugin.app", "dra_driver.simulated.gpus"),
         # `dra-driver simulate`, the simulator's fault injection; `inventory --list-profiles`
-        ("dra_driver.cli", "dra_driver.devices.simulated"),
-        ("dra_driver.cli", "dra_driver.devices.sim_nodes"),
+        ("dra_driver.cli", "dra_driver.simulated.gpus"),
+        ("dra_driver.cli", "dra_driver.simulated.nodes"),
         # --simulate checks the node profile it is given
-        ("dra_driver.settings", "dra_driver.devices.sim_nodes"),
+        ("dra_driver.settings", "dra_driver.simulated.nodes"),
         # `compute-domain-daemon` runs the simulated IMEX daemon
-        ("dra_driver.computedomain.cli", "dra_driver.computedomain.daemon"),
+        ("dra_driver.computedomain.cli", "dra_driver.simulated.imex_daemon"),
     }
 )
 

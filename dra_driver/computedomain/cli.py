@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dra_driver.errors import EXIT_USAGE, StartupError
+from dra_driver.gpu_plugin.startup import load_kube_configuration
 from dra_driver.log import configure
 from dra_driver.settings import DEFAULT_DRIVER_NAME, ENV_PREFIX, LogFormat
-from dra_driver.startup import load_kube_configuration
 
 if TYPE_CHECKING:  # `dra-driver` builds this parser for every command, the node daemon's too
-    from dra_driver import kube
+    from dra_driver.apiserver import kube
 
 _COMMON: list[tuple[str, Any, str]] = [
     ("driver_name", DEFAULT_DRIVER_NAME, "the GPU driver's name; every ComputeDomain name derives from it"),
@@ -94,7 +94,7 @@ def boolean(text: str) -> bool:
 
 async def _api(kubeconfig: str) -> kube.ApiClient:
     """The API client, as the node daemon makes it: the kubeconfig given, else the pod's account."""
-    from dra_driver import kube
+    from dra_driver.apiserver import kube
 
     configuration = kube.Configuration()
     await load_kube_configuration(Path(kubeconfig) if kubeconfig else None, configuration)
@@ -109,9 +109,9 @@ def _setup(args: argparse.Namespace) -> None:
 
 
 def _controller(args: argparse.Namespace) -> int:
+    from dra_driver.apiserver.rest import JsonApi
     from dra_driver.computedomain.controller import ComputeDomainController
     from dra_driver.computedomain.leader import LeaderElector, LeaseConfig
-    from dra_driver.rest import JsonApi
 
     _setup(args)
     if not args.namespace:
@@ -166,7 +166,7 @@ def _controller(args: argparse.Namespace) -> int:
 
 def _daemon(args: argparse.Namespace) -> int:
     from dra_driver.computedomain.api import Names
-    from dra_driver.computedomain.daemon import DaemonIdentity, run_daemon
+    from dra_driver.simulated.imex_daemon import DaemonIdentity, run_daemon
 
     _setup(args)
     try:

@@ -43,6 +43,9 @@ from typing import Any
 
 import structlog
 
+from dra_driver.apiserver.informer import list_and_watch
+from dra_driver.apiserver.kube import ApiClient
+from dra_driver.apiserver.rest import ApiError, Json, JsonApi
 from dra_driver.computedomain.api import (
     CLIQUE_PLURAL,
     DAEMON_FAILED,
@@ -71,9 +74,6 @@ from dra_driver.computedomain.objects import (
     pruned_daemons,
 )
 from dra_driver.computedomain.workqueue import WorkQueue
-from dra_driver.informer import list_and_watch
-from dra_driver.kube import ApiClient
-from dra_driver.rest import ApiError, Json, JsonApi
 
 log = structlog.get_logger(__name__)
 
@@ -451,7 +451,7 @@ class ComputeDomainController:
 
         ``as_kubectl`` for the channel template: its claims' opaque config must arrive as kubectl
         sends it, or the API server refuses their status writes, the binding conditions' among them
-        (:meth:`dra_driver.rest.JsonApi.create_as_kubectl`).
+        (:meth:`dra_driver.apiserver.rest.JsonApi.create_as_kubectl`).
         """
         if await self._kube.get(path) is not None:
             return

@@ -9,7 +9,7 @@ start at all. With DNS names, as NVIDIA's compute-domain daemon does it:
   ``compute-domain-daemon-0017``, one name per possible member of an IMEX domain (18, the compute
   trays of a GB200 NVL72 rack, NVIDIA's ``--max-nodes-per-imex-domain`` default);
 * a daemon's name follows from its ``index`` in the domain's ComputeDomainClique, which stays one
-  node's for as long as it is a member (:mod:`dra_driver.computedomain.daemon`);
+  node's for as long as it is a member (:mod:`dra_driver.simulated.imex_daemon`);
 * each daemon keeps its pod's ``/etc/hosts`` mapping those names to the current IP addresses of the
   clique's daemons, so a peer that comes back with a new address is found again by the same name.
 

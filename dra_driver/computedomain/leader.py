@@ -29,7 +29,7 @@ from typing import Any
 
 import structlog
 
-from dra_driver.rest import ApiError, Json, JsonApi
+from dra_driver.apiserver.rest import ApiError, Json, JsonApi
 
 log = structlog.get_logger(__name__)
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import structlog
 
+from dra_driver.apiserver.kube import ApiClient
+from dra_driver.apiserver.rest import JsonApi
 from dra_driver.cdi.store import SpecStore
 from dra_driver.computedomain.api import (
     PLURAL,
@@ -27,7 +29,6 @@ from dra_driver.computedomain.node import ComputeDomainPreparer, compute_domain_
 from dra_driver.devices.fabric import node_clique
 from dra_driver.devices.host_imex import HostImex
 from dra_driver.devices.types import Inventory
-from dra_driver.kube import ApiClient
 from dra_driver.kubelet.server import KubeletPlugin
 from dra_driver.kubelet.sockets import KubeletSocketError
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
@@ -35,7 +36,6 @@ from dra_driver.node.events import report_conflicts
 from dra_driver.node.records import read_boot_id
 from dra_driver.node.store import Store, open_store
 from dra_driver.resources.publisher import SlicePublisher
-from dra_driver.rest import JsonApi
 
 log = structlog.get_logger(__name__)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from dra_driver.devices.backend import Backend
 from dra_driver.devices.nvml import NvmlBackend
-from dra_driver.devices.simulated import SimulatedBackend
+from dra_driver.simulated.gpus import SimulatedBackend
 
 
 def open_backend(

@@ -28,7 +28,7 @@ from dra_driver.devices.backend import Backend, DeviceError
 from dra_driver.devices.faults import APPLICATION_XIDS, XID_MEANINGS, Fault, FaultKind, NodeFaults, carry_over
 from dra_driver.devices.nvml import DEFAULT_CALL_TIMEOUT, NvmlBackend
 from dra_driver.devices.nvml_calls import NvmlCalls, NvmlHungError
-from dra_driver.devices.simulated import SimulatedBackend
+from dra_driver.simulated.gpus import SimulatedBackend
 
 log = structlog.get_logger(__name__)
 

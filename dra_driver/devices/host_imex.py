@@ -9,7 +9,7 @@ daemon's state once over its command socket) run inside the driver root, ready w
 ``IMEX_CMD_ENABLED=1`` and ``IMEX_CMD_UNIX_DOMAIN_PATH`` to that socket.
 
 On a simulated node the "host daemon" is one flag of the node's simulated state (``dra-driver
-simulate host-imex --state ready|stopped``, :class:`dra_driver.devices.simulated.SimulatedHostImex`);
+simulate host-imex --state ready|stopped``, :class:`dra_driver.simulated.gpus.SimulatedHostImex`);
 its answers read like the real check's.
 
 A check returns None when the daemon is ready, else the one-line reason; it blocks (a subprocess,

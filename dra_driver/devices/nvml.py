@@ -143,7 +143,7 @@ class NvmlBackend:
     report of ``hack/hardware-inventory.sh``). ``pci_write`` is how passthrough's writes into
     sysfs reach the kernel: plain file writes on a node; where ``sysfs_root`` is a tree of files
     (the tests, on the mock NVML), the stand-in for the kernel that acts on them
-    (:class:`~dra_driver.devices.sim_sysfs.SimulatedKernel`).
+    (:class:`~dra_driver.simulated.sysfs.SimulatedKernel`).
     """
 
     def __init__(

@@ -3,7 +3,7 @@
 Passthrough (a GPU given whole to a virtual machine) needs the GPU bound to the kernel's
 ``vfio-pci`` driver instead of ``nvidia``; the VM's process then opens its IOMMU group's
 ``/dev/vfio/<group>``. Everything here is read from and written to sysfs under ``root``
-(``/sys`` on a node; the simulator builds the same tree elsewhere, :mod:`dra_driver.devices.sim_sysfs`)::
+(``/sys`` on a node; the simulator builds the same tree elsewhere, :mod:`dra_driver.simulated.sysfs`)::
 
     bus/pci/devices/<address>/vendor, class     "0x10de", "0x030200": which functions are NVIDIA GPUs
     bus/pci/devices/<address>/driver            -> the bound driver's directory (absent: unbound)

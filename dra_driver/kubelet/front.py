@@ -1,7 +1,7 @@
 """What the kubelet talks to from the daemon's first moments: its sockets, the held claim calls, health.
 
-The launcher (:mod:`dra_driver.launch`) opens these before anything else and hands them to the
-wiring (:mod:`dra_driver.app`), which fills them in once the node is ready. The bundle lives in
+The launcher (:mod:`dra_driver.gpu_plugin.launch`) opens these before anything else and hands them to the
+wiring (:mod:`dra_driver.gpu_plugin.app`), which fills them in once the node is ready. The bundle lives in
 this layer, not with either of them, so that neither has to import the other for it.
 """
 

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from dra_driver.apiserver.rest import JsonApi
 from dra_driver.labels.gfd import PREFIX
-from dra_driver.rest import JsonApi
 
 if TYPE_CHECKING:
     from kubernetes.aio.client import ApiClient

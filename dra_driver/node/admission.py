@@ -1,7 +1,7 @@
 """Opaque configs checked when a claim is written, with the words prepare would use.
 
 A claim whose config for this driver is misspelt is allocated and then fails at prepare; the
-pod never starts and only an event says why. The validating webhook (:mod:`dra_driver.webhook`)
+pod never starts and only an event says why. The validating webhook (:mod:`dra_driver.webhook.server`)
 refuses it when it is created instead, with the decoder prepare uses
 (:func:`dra_driver.node.config.decode_entry`), so the message is the same. Only the index can
 differ: here it counts the entries of the object written (a claim's, a template's, a class's),

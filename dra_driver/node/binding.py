@@ -189,7 +189,7 @@ class BindingWatcher:
     """Follows the claims allocated from this node's pool and answers their binding conditions.
 
     Feed it the claims' watch (:meth:`on_event`, :meth:`on_listed` of
-    :func:`dra_driver.informer.list_and_watch`); each claim's work runs in a task of its own, one
+    :func:`dra_driver.apiserver.informer.list_and_watch`); each claim's work runs in a task of its own, one
     at a time per claim, so a slow MIG creation holds up neither the watch nor other claims.
     """
 

@@ -16,9 +16,9 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from dra_driver import bounded_json
+from dra_driver.apiserver import bounded_json
 
-if TYPE_CHECKING:  # only for the annotations: dra_driver.kube imports the client's machinery
+if TYPE_CHECKING:  # only for the annotations: dra_driver.apiserver.kube imports the client's machinery
     from kubernetes.aio.client import ApiClient
 
 

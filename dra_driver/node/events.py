@@ -15,8 +15,8 @@ from datetime import UTC, datetime
 import aiohttp
 import structlog
 
+from dra_driver.apiserver.rest import ApiError, JsonApi
 from dra_driver.node.recovery import CONFLICT_ADVICE, Conflict
-from dra_driver.rest import ApiError, JsonApi
 
 log = structlog.get_logger(__name__)
 

@@ -162,7 +162,7 @@ class NodePreparer:
     published as shareable (consumable capacity): only then are shares of them prepared.
     ``on_prepared`` and ``on_unprepared`` hear of every claim prepared (also again) and
     unprepared; they must not block. ``on_idle`` hears when the last running claim operation
-    has finished (see :mod:`dra_driver.memory`). With ``metadata`` every prepared claim gets the
+    has finished (see :mod:`dra_driver.gpu_plugin.tuning`). With ``metadata`` every prepared claim gets the
     device metadata file of each request (KEP-5304, :mod:`dra_driver.cdi.metadata`), written
     before the spec that mounts it and removed after it.
     """

@@ -327,7 +327,7 @@ def request_problem(
 class OfferIndex:
     """What the devices of each of this driver's DeviceClasses offer, from its ResourceSlices.
 
-    Kept up to date by the webhook's watches (:mod:`dra_driver.webhook`), one slice and one class at
+    Kept up to date by the webhook's watches (:mod:`dra_driver.webhook.server`), one slice and one class at
     a time. Each slice is remembered as its devices counted by (:func:`selectable` attributes,
     :class:`Offer`), so a slice that goes takes its devices' offers with it. Until the slices and
     the classes are known, nothing is judged (:meth:`problem` answers None).

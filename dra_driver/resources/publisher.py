@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from dra_driver.apiserver.rest import ApiError
 from dra_driver.resources.pool import PoolOwner, dropped_fields, plan_pool
 from dra_driver.resources.slice_api import ResourceSliceApi
 from dra_driver.resources.slices import SliceContent
-from dra_driver.rest import ApiError
 
-if TYPE_CHECKING:  # only for the annotations: dra_driver.kube imports the client's machinery
+if TYPE_CHECKING:  # only for the annotations: dra_driver.apiserver.kube imports the client's machinery
     from kubernetes.aio.client import ApiClient
 
 _log = structlog.get_logger(__name__)

@@ -1,14 +1,14 @@
-"""ResourceSlice calls in plain JSON (:mod:`dra_driver.rest`): list, apply, delete, watch."""
+"""ResourceSlice calls in plain JSON (:mod:`dra_driver.apiserver.rest`): list, apply, delete, watch."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
+from dra_driver.apiserver.rest import ApiError, JsonApi
 from dra_driver.resources.wire import ResourceSlice
-from dra_driver.rest import ApiError, JsonApi
 
-if TYPE_CHECKING:  # only for the annotations: dra_driver.kube imports the client's machinery
+if TYPE_CHECKING:  # only for the annotations: dra_driver.apiserver.kube imports the client's machinery
     from kubernetes.aio.client import ApiClient
 
 _COLLECTION = "/apis/resource.k8s.io/v1/resourceslices"

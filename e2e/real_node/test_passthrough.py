@@ -21,7 +21,7 @@ import pytest
 from kubernetes import client
 
 from dra_driver.devices.pci import NVIDIA, VFIO_PCI, PciBus
-from dra_driver.devices.sim_sysfs import VFIO_GROUP_MAJOR, VFIO_MISC
+from dra_driver.simulated.sysfs import VFIO_GROUP_MAJOR, VFIO_MISC
 from e2e import manifests
 from e2e.cluster import ClusterInfo
 from e2e.daemon import wait_until

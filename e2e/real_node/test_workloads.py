@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from dra_driver.devices.simulated import DRIVER_VERSION
+from dra_driver.simulated.gpus import DRIVER_VERSION
 from e2e.real_node.conftest import new_namespace
 from e2e.real_node.driver import ADMIN_GPU, DRIVER_NAME, RELEASE, DriverRelease
 from e2e.real_node.gpu_view import (

@@ -13,9 +13,9 @@ import os
 import stat
 from pathlib import Path
 
-from dra_driver.devices.sim_nodes import NVIDIA_MAJOR, node_profile
-from dra_driver.devices.sim_sysfs import FIRST_GROUP, VFIO_GROUP_MAJOR, VFIO_MISC
-from dra_driver.devices.simulated import CONTROL_NODES, DRIVER_VERSION, NVIDIA_CAPS_MAJOR
+from dra_driver.simulated.gpus import CONTROL_NODES, DRIVER_VERSION, NVIDIA_CAPS_MAJOR
+from dra_driver.simulated.nodes import NVIDIA_MAJOR, node_profile
+from dra_driver.simulated.sysfs import FIRST_GROUP, VFIO_GROUP_MAJOR, VFIO_MISC
 
 LIBRARY_DIR = "usr/lib/x86_64-linux-gnu"
 BUSYBOX = "/bin/busybox"  # Debian's busybox-static (hack/install-deps.sh), statically linked
@@ -60,7 +60,7 @@ def vfio_device_nodes(profile: str) -> list[tuple[str, int, int, int]]:
     On a host with an IOMMU, binding a GPU to vfio-pci makes ``/dev/vfio/<group>`` (root, 0600),
     with the numbers sysfs gives in ``class/vfio/<group>/dev``, beside ``/dev/vfio/vfio`` (0666);
     a passthrough claim's CDI spec names the group's node by its path alone, so the runtime reads
-    the numbers from the host's node. These are the simulator's (:mod:`dra_driver.devices.sim_sysfs`:
+    the numbers from the host's node. These are the simulator's (:mod:`dra_driver.simulated.sysfs`:
     group ``FIRST_GROUP + index`` per GPU), made for every GPU up front: what a container gets is
     decided by the spec, which names only the groups of its claim's GPUs.
     """

@@ -28,7 +28,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dra_driver.cdi.spec import common_edits
-from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import Inventory
 from dra_driver.node.claims import ClaimRejected, ConfigSource, OpaqueConfig, allocated_claim
 from dra_driver.node.config import API_VERSION, ConfigError, decode_config
@@ -36,6 +35,7 @@ from dra_driver.node.legacy import canonical_json
 from dra_driver.node.plan import plan_claim
 from dra_driver.node.store import STORE_FILE, StoreFromNewerDriver, open_store
 from dra_driver.node.types import ClaimRef
+from dra_driver.simulated.gpus import SimulatedBackend
 
 DRIVER = "gpu.nvidia.com"
 POOL = "fuzz-node"

@@ -66,12 +66,12 @@ from typing import Any
 from dra_driver.cdi.store import SpecStore
 from dra_driver.crashpoint import POINTS
 from dra_driver.devices.pci import NVIDIA, VFIO_PCI, PciBus
-from dra_driver.devices.sim_sysfs import SimulatedKernel
-from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import ComputePolicy
 from dra_driver.node.config import API_VERSION
-from dra_driver.node.sharing.mps_local import LocalMpsDaemons
 from dra_driver.node.types import ClaimRef
+from dra_driver.simulated.gpus import SimulatedBackend
+from dra_driver.simulated.mps_daemons import LocalMpsDaemons
+from dra_driver.simulated.sysfs import SimulatedKernel
 from e2e.driver import DriverPaths
 from e2e.reliability import kill9_domains
 from e2e.reliability.env import Env, SimNode

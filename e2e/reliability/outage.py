@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from dra_driver.devices.simulated import SimulatedBackend
+from dra_driver.simulated.gpus import SimulatedBackend
 from e2e.gpu_node import SLICES, GpuNode, node_slices_query, published_devices, published_slices
 from e2e.harness import ensure_harness_binary
 from e2e.reliability.env import Env

@@ -25,13 +25,13 @@ from bench.kubelet import register
 from dra_driver.cdi.store import SpecStore
 from dra_driver.crashpoint import ENV as CRASH_POINT_ENV
 from dra_driver.devices.pci import NVIDIA, PciBus
-from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import ComputePolicy, MigDevice
 from dra_driver.kubelet.pb.dra.v1 import dra_pb2, dra_pb2_grpc
 from dra_driver.node.records import ClaimRecord, DeviceRecord
 from dra_driver.node.store import STORE_FILE, open_read_only
 from dra_driver.node.types import ClaimRef
 from dra_driver.settings import DEFAULT_DRIVER_NAME
+from dra_driver.simulated.gpus import SimulatedBackend
 from e2e.cluster import processes
 from e2e.cluster.controlplane import free_ports
 from e2e.driver import DriverPaths
@@ -279,7 +279,7 @@ class NodeState:
             )
         finally:
             backend.close()
-        mps = paths.data / MPS_DIR  # a daemon's directory lives as long as the daemon (mps_local)
+        mps = paths.data / MPS_DIR  # a daemon's directory lives as long as its process
         directories = {entry.name for entry in mps.iterdir() if entry.is_dir()} if mps.exists() else set()
         processes = mps_processes(mps)
         bus = PciBus(sysfs_root(paths))  # read only: the tree's links, as the kernel keeps them

@@ -1442,7 +1442,7 @@ def controls(setup: Setup) -> list[Control]:
         controller.delete(f"{templates}/{created['metadata']['name']}")
 
     def own_clique_entry() -> None:
-        # As dra_driver/computedomain/daemon.py writes it: create the clique, upsert its own entry.
+        # As dra_driver/simulated/imex_daemon.py writes it: create the clique, upsert its own entry.
         collection = CLIQUES
         body = {
             "apiVersion": NAMES.api_version,

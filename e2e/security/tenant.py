@@ -38,16 +38,16 @@ from typing import Any
 
 from kubernetes.aio.client import ApiClient, Configuration
 
-from dra_driver.bounded_json import MAX_DEPTH
+from dra_driver.apiserver.bounded_json import MAX_DEPTH
 from dra_driver.cdi.spec import common_edits
 from dra_driver.cdi.store import SpecStore
 from dra_driver.devices.driver_root import find_driver_files
-from dra_driver.devices.simulated import STATE_FILE_NAME, SimulatedBackend
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
 from dra_driver.node.config import API_VERSION
 from dra_driver.node.preparer import NodePreparer
-from dra_driver.node.sharing.mps_local import LocalMpsDaemons
 from dra_driver.node.types import ClaimError, ClaimRef
+from dra_driver.simulated.gpus import STATE_FILE_NAME, SimulatedBackend
+from dra_driver.simulated.mps_daemons import LocalMpsDaemons
 from e2e.cluster import ApiError, ClusterInfo, JsonObject, RestClient
 
 ACCOUNT = "tenant"  # a ServiceAccount of the tenant's namespace, as a CI job's token would be

@@ -38,7 +38,7 @@ import (
 
 const (
 	envFabric = "MOCK_NVML_FABRIC" // <cluster-uuid>/<clique-id> or <clique-id>: a gb200nvl72's clique
-	// The simulator's default NVLink domain (dra_driver/devices/sim_nodes.py DEFAULT_CLUSTER_UUID),
+	// The simulator's default NVLink domain (dra_driver/simulated/nodes.py DEFAULT_CLUSTER_UUID),
 	// so a mock tray and a simulated tray left at their defaults are in one clique.
 	defaultClusterUUID = "76c7d4f7-82be-58c7-9c42-0480cc88c498"
 	defaultCliqueID    = 1

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from dra_driver.__main__ import main as dra_driver_main
-from dra_driver.devices.sim_nodes import NODE_PROFILES
+from dra_driver.simulated.nodes import NODE_PROFILES
 
 
 def dra_driver(*args: str) -> subprocess.CompletedProcess[str]:
@@ -127,14 +127,14 @@ def test_plugin_without_node_name_says_what_to_set() -> None:
     assert "DRA_NODE_NAME" in result.stderr
 
 
-# Imported by the daemon only after its kubelet sockets are open (dra_driver.launch).
+# Imported by the daemon only after its kubelet sockets are open (dra_driver.gpu_plugin.launch).
 AFTER_THE_SOCKETS = [
     "kubernetes",
     "aiohttp",
     "prometheus_client",
     "pynvml",
-    "dra_driver.app",
-    "dra_driver.kube",
+    "dra_driver.gpu_plugin.app",
+    "dra_driver.apiserver.kube",
 ]
 
 
@@ -142,7 +142,7 @@ def test_the_daemon_reaches_its_sockets_without_the_api_client() -> None:
     """What runs before the kubelet sockets open (the CLI, the launcher, the settings checks)
     imports neither the API client nor aiohttp nor the GPU backends: their import time would
     be start-up time the kubelet waits for (docs/performance.md)."""
-    code = "import sys, dra_driver.cli, dra_driver.launch; print(*sys.modules)"
+    code = "import sys, dra_driver.cli, dra_driver.gpu_plugin.launch; print(*sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     imported = set(result.stdout.split())  # a package's submodule brings the package in too
     assert [name for name in AFTER_THE_SOCKETS if name in imported] == []

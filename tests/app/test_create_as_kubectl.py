@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from dra_driver import kube
-from dra_driver.rest import JsonApi
+from dra_driver.apiserver import kube
+from dra_driver.apiserver.rest import JsonApi
 
 
 async def test_the_body_goes_compact_with_sorted_keys_as_yaml() -> None:

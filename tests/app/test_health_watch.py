@@ -8,11 +8,11 @@ from pathlib import Path
 
 from structlog.testing import capture_logs
 
-from dra_driver.app import HealthWatch
 from dra_driver.devices.faults import Fault, FaultKind, NodeFaults
-from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import Inventory
+from dra_driver.gpu_plugin.app import HealthWatch
 from dra_driver.resources.taints import TaintPolicy
+from dra_driver.simulated.gpus import SimulatedBackend
 from tests.background import running
 
 GUARD_S = 30  # against a hang only

@@ -9,8 +9,8 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
-from dra_driver.http import StatusServer
-from dra_driver.metrics import Metrics
+from dra_driver.gpu_plugin.http import StatusServer
+from dra_driver.gpu_plugin.metrics import Metrics
 
 
 async def test_probes_and_metrics() -> None:

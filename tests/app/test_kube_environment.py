@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from dra_driver import kube
-from dra_driver.app import API_CONNECTIONS, api_client
-from dra_driver.rest import JsonApi
+from dra_driver.apiserver import kube
+from dra_driver.apiserver.rest import JsonApi
+from dra_driver.gpu_plugin.app import API_CONNECTIONS, api_client
 from dra_driver.settings import Settings
 
 

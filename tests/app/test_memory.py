@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 
-from dra_driver.memory import GEN0_THRESHOLD, HeapTrimmer, _libc_malloc_trim
+from dra_driver.gpu_plugin.tuning import GEN0_THRESHOLD, HeapTrimmer, _libc_malloc_trim
 
 
 async def test_the_heap_is_trimmed_once_after_the_last_idle() -> None:
@@ -48,8 +48,8 @@ def test_after_start_up_a_full_collection_walks_none_of_its_objects() -> None:
     probe = textwrap.dedent(
         """
         import gc, json
-        import dra_driver.app
-        from dra_driver.memory import settle_collector
+        import dra_driver.gpu_plugin.app
+        from dra_driver.gpu_plugin.tuning import settle_collector
         before = len(gc.get_objects())
         settle_collector()
         print(json.dumps([before, len(gc.get_objects()), gc.get_freeze_count(), gc.get_threshold()[0]]))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dra_driver.cli_settings import (
+from dra_driver.cli import (
     add_settings_flags,
     env_name,
     flag_name,

@@ -6,8 +6,8 @@ import json
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from dra_driver.bounded_json import MAX_DEPTH
-from dra_driver.webhook import webhook_app
+from dra_driver.apiserver.bounded_json import MAX_DEPTH
+from dra_driver.webhook.server import webhook_app
 
 DRIVER = "gpu.dra-driver.dev"
 

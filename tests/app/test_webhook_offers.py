@@ -10,10 +10,10 @@ from typing import Any, cast
 
 import yaml
 
+from dra_driver.apiserver.rest import ApiError, JsonApi
 from dra_driver.resources.capacity_fit import OfferIndex
 from dra_driver.resources.devices import build_devices, partition_none
-from dra_driver.rest import ApiError, JsonApi
-from dra_driver.webhook import CLASSES, SLICES, watch_offers
+from dra_driver.webhook.server import CLASSES, SLICES, watch_offers
 from tests.resources.factories import h100, inventory
 
 DRIVER = "gpu.dra-driver.dev"

@@ -9,7 +9,7 @@ import copy
 import itertools
 from typing import Any
 
-from dra_driver.rest import ApiError
+from dra_driver.apiserver.rest import ApiError
 
 
 def _matches(obj: dict[str, Any], query: dict[str, str]) -> bool:

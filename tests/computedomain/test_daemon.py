@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dra_driver.computedomain.api import DomainStatus, Names
-from dra_driver.computedomain.daemon import DaemonIdentity, ImexDaemon
 from dra_driver.computedomain.node import daemon_config_text
+from dra_driver.simulated.imex_daemon import DaemonIdentity, ImexDaemon
 from tests.computedomain.fake_api import FakeApi
 
 NAMES = Names("gpu.nvidia.com")

@@ -20,9 +20,9 @@ from dra_driver.computedomain.api import ChannelAllocationMode, daemon_config
 from dra_driver.computedomain.controller import ComputeDomainController
 from dra_driver.computedomain.node import ComputeDomainPreparer, compute_domain_slices
 from dra_driver.devices.host_imex import IMEX_CTL, NvidiaImexCtl, judge
-from dra_driver.devices.simulated import STATE_FILE_NAME, SimulatedBackend, SimulatedHostImex
 from dra_driver.node.store import STORE_FILE, open_store
 from dra_driver.node.types import ClaimError, PreparedDevice
+from dra_driver.simulated.gpus import STATE_FILE_NAME, SimulatedBackend, SimulatedHostImex
 from tests.computedomain.fake_api import FakeApi
 from tests.computedomain.test_node import (
     BOOT,

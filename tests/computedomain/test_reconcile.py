@@ -12,9 +12,9 @@ import asyncio
 import time
 from typing import Any
 
+from dra_driver.apiserver.rest import ApiError
 from dra_driver.computedomain.controller import ComputeDomainController
 from dra_driver.computedomain.node import compute_domain_slices
-from dra_driver.rest import ApiError
 from tests.computedomain.fake_api import FakeApi
 
 GROUP = "resource.nvidia.com"

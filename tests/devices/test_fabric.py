@@ -9,8 +9,8 @@ from pathlib import Path
 import pynvml
 
 from dra_driver.devices.fabric import fabric_from_nvml, node_clique
-from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import FabricInfo, FabricState, Inventory
+from dra_driver.simulated.gpus import SimulatedBackend
 
 CLUSTER = uuid.UUID("8a2d6e1c-1b1e-4a3e-9f0a-2b6c1d7e5f40")
 

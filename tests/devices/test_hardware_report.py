@@ -18,9 +18,9 @@ from typing import Any
 import pynvml
 import pytest
 
-from dra_driver.devices.sim_nodes import NODE_PROFILES
-from dra_driver.devices.simulated import SimulatedBackend
-from dra_driver.hardware_report import catalog_differences, report
+from dra_driver.hardware_report.report import catalog_differences, report
+from dra_driver.simulated.gpus import SimulatedBackend
+from dra_driver.simulated.nodes import NODE_PROFILES
 from tests.mock_nvml import MockNvml, install_driver_root, install_procfs, mock_environment
 
 REPO = Path(__file__).resolve().parents[2]

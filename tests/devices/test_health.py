@@ -18,7 +18,7 @@ from dra_driver.devices.health import (
     carry_over,
     open_health_source,
 )
-from dra_driver.devices.simulated import SimulatedBackend
+from dra_driver.simulated.gpus import SimulatedBackend
 
 GUARD_S = 30  # against a hang only
 T0 = 1_800_000_000

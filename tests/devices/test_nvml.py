@@ -29,9 +29,9 @@ from dra_driver.devices.backend import DeviceError, DeviceInUseError, PlacementU
 from dra_driver.devices.backends import open_backend
 from dra_driver.devices.nvcaps import Capability, ensure_node
 from dra_driver.devices.nvml import NvmlBackend
-from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import OrphanedGpuInstance, Placement
 from dra_driver.resources.devices import build_devices
+from dra_driver.simulated.gpus import SimulatedBackend
 from tests.mock_nvml import (
     CAPS_MAJOR,
     LIBRARY_DIR,

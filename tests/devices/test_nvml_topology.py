@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from dra_driver.devices.nvml import NvmlBackend
-from dra_driver.devices.sim_nodes import node_profile, pci_place
-from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.topology import nvlink_islands
 from dra_driver.devices.types import Inventory
+from dra_driver.simulated.gpus import SimulatedBackend
+from dra_driver.simulated.nodes import node_profile, pci_place
 from tests.mock_nvml import MockNvml, install_driver_root, install_procfs, install_sysfs
 
 MACHINES = {  # mock machine -> the simulator's profile of the same server

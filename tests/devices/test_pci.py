@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from dra_driver.devices.pci import NVIDIA, VFIO_PCI, CharDevice, PciBus, PciError
-from dra_driver.devices.sim_sysfs import VFIO_GROUP_MAJOR, SimulatedKernel, add_function, build_tree
-from dra_driver.devices.simulated import SimulatedBackend
+from dra_driver.simulated.gpus import SimulatedBackend
+from dra_driver.simulated.sysfs import VFIO_GROUP_MAJOR, SimulatedKernel, add_function, build_tree
 
 GPU = "0000:3b:00.0"
 OTHER = "0000:86:00.0"

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.topology import NVSWITCH_WITHOUT_ADDRESS, nvlink_islands
 from dra_driver.devices.types import DeviceNode, FabricInfo, Gpu, Inventory
+from dra_driver.simulated.gpus import SimulatedBackend
 
 
 def gpu(index: int, *remotes: str, bus: str = "", fabric: FabricInfo | None = None) -> Gpu:

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.labels.gfd import family, gfd_labels, mig_resource_name, sanitise
 from dra_driver.labels.labeller import is_managed, label_patch
+from dra_driver.simulated.gpus import SimulatedBackend
 
 
 @pytest.fixture

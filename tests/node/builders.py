@@ -11,14 +11,14 @@ from typing import Any
 
 from dra_driver.cdi.spec import common_edits
 from dra_driver.cdi.store import SpecStore
-from dra_driver.devices.simulated import STATE_FILE_NAME, SimulatedBackend
 from dra_driver.node.claim_fetcher import ClaimFetcher
 from dra_driver.node.config import API_VERSION
 from dra_driver.node.preparer import NodePreparer
 from dra_driver.node.records import ClaimRecord, NodeState
-from dra_driver.node.sharing.mps_local import LocalMpsDaemons
 from dra_driver.node.store import STORE_FILE, Release, Reserve, open_read_only, open_store
 from dra_driver.node.types import ClaimRef
+from dra_driver.simulated.gpus import STATE_FILE_NAME, SimulatedBackend
+from dra_driver.simulated.mps_daemons import LocalMpsDaemons
 
 DRIVER = "gpu.dra-driver.dev"
 NODE = "node-a"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from dra_driver import state_command
+from dra_driver.gpu_plugin import state_command
 from dra_driver.node.binding import (
     BindingWatcher,
     WaitingDevice,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
-from dra_driver.bounded_json import MAX_DEPTH
+from dra_driver.apiserver.bounded_json import MAX_DEPTH
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher, ClaimFetchError, names_missing_claim
 
 if TYPE_CHECKING:

@@ -20,9 +20,8 @@ from typing import Any
 
 import pytest
 
-from dra_driver.app import desired_slices
-from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import Inventory, MigDevice, Placement
+from dra_driver.gpu_plugin.app import desired_slices
 from dra_driver.node.config import API_VERSION
 from dra_driver.node.preparer import NodePreparer
 from dra_driver.node.records import ClaimRecord, DeviceRecord, MigRecord, Phase
@@ -30,6 +29,7 @@ from dra_driver.node.store import MutationRejected, Progress, Reserve, Store, St
 from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice
 from dra_driver.resources.devices import partition_selected
 from dra_driver.settings import Settings
+from dra_driver.simulated.gpus import SimulatedBackend
 
 from .builders import DRIVER, NODE, InMemoryClaims, Node, RecordingObserver, new_ref, opaque
 

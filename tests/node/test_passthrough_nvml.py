@@ -19,8 +19,8 @@ import pytest
 
 from dra_driver.devices.nvml import NvmlBackend
 from dra_driver.devices.pci import NVIDIA, VFIO_PCI
-from dra_driver.devices.sim_sysfs import SimulatedKernel
 from dra_driver.node.types import ClaimError
+from dra_driver.simulated.sysfs import SimulatedKernel
 from tests.mock_nvml import MockNvml, install_driver_root, install_gpu_tree, install_procfs
 
 from .builders import InMemoryClaims, Node, RecordingObserver, new_ref, opaque

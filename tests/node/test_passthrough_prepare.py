@@ -3,7 +3,7 @@ tree, unprepare gives it back, and every refusal and failed step leaves it on nv
 
 The simulated node ("mixed") has two H100s (gpu-0, gpu-1), two A100-40GBs and two L4s; each GPU
 sits alone in its IOMMU group. The kernel's part (a bind creating the driver link and the group's
-device) is played by :class:`dra_driver.devices.sim_sysfs.SimulatedKernel`, which also fails a
+device) is played by :class:`dra_driver.simulated.sysfs.SimulatedKernel`, which also fails a
 chosen step on request.
 """
 
@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from dra_driver.devices.pci import NVIDIA, VFIO_PCI, PassthroughGpu, PciBus
-from dra_driver.devices.sim_sysfs import SimulatedKernel, add_function
 from dra_driver.node.preparer import NodePreparer
 from dra_driver.node.types import ClaimError, ClaimRef
+from dra_driver.simulated.sysfs import SimulatedKernel, add_function
 
 from .builders import Node, new_ref, opaque
 

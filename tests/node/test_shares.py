@@ -416,9 +416,7 @@ def standins_serving(root: Path) -> list[int]:
             cmdline = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"dra_driver.node.sharing.mps_standin" in cmdline and any(
-            str(root).encode() in a for a in cmdline
-        ):
+        if b"dra_driver.simulated.mps_control" in cmdline and any(str(root).encode() in a for a in cmdline):
             found.append(int(proc.name))
     return found
 

@@ -96,10 +96,10 @@ from dra_driver.computedomain.node import ComputeDomainPreparer
 from dra_driver.devices.types import ComputePolicy
 from dra_driver.node.preparer import NodePreparer
 from dra_driver.node.records import read_boot_id
-from dra_driver.node.sharing.mps_local import LocalMpsDaemons
 from dra_driver.node.store import Store, open_store
 from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice
 from dra_driver.resources.naming import mig_device_name
+from dra_driver.simulated.mps_daemons import LocalMpsDaemons
 from tests.computedomain.test_node import CLIQUE, NAMES, FakeDomains, domain
 
 from .builders import NODE, Node, claim_json, gpu_config, make_node, new_ref, opaque, result

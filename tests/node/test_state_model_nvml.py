@@ -41,8 +41,8 @@ from dra_driver.devices.nvml import NvmlBackend
 from dra_driver.devices.pci import PciBus
 from dra_driver.devices.types import Inventory
 from dra_driver.node.preparer import NodePreparer
-from dra_driver.node.sharing.mps_local import LocalMpsDaemons
 from dra_driver.resources.naming import mig_device_name
+from dra_driver.simulated.mps_daemons import LocalMpsDaemons
 from tests.mock_nvml import MockNvml, install_driver_root, install_gpu_tree, install_procfs
 
 from .builders import DRIVER, NODE, InMemoryClaims, Node, RecordingObserver
@@ -198,7 +198,7 @@ class NvmlNodeStateModel(NodeStateModel):
 
 
 class _InventoryWatch:
-    """An instance's view of the GPUs, as the app keeps it (``dra_driver.app.InventoryWatch``).
+    """An instance's view of the GPUs, as the app keeps it (``dra_driver.gpu_plugin.app.InventoryWatch``).
 
     The app reads the inventory once, takes the one a MIG change reads after it, and re-reads it
     periodically; here the periodic read has always happened before the kubelet's next call: the

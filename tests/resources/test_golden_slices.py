@@ -24,11 +24,9 @@ from typing import Any
 import pytest
 import yaml
 
-from dra_driver.app import desired_slices
 from dra_driver.devices.catalog import gpu_model
-from dra_driver.devices.sim_nodes import NODE_PROFILES
-from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import Inventory
+from dra_driver.gpu_plugin.app import desired_slices
 from dra_driver.resources.devices import build_devices, partition_all
 from dra_driver.resources.slices import (
     MAX_COUNTER_SETS_PER_SLICE,
@@ -37,6 +35,8 @@ from dra_driver.resources.slices import (
     SliceContent,
 )
 from dra_driver.settings import Settings
+from dra_driver.simulated.gpus import SimulatedBackend
+from dra_driver.simulated.nodes import NODE_PROFILES
 
 GOLDEN = Path(__file__).parent / "golden"
 NODE = "node-1"

@@ -11,9 +11,9 @@ import re
 
 import pytest
 
-from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.resources.devices import build_devices
 from dra_driver.resources.wire import Device
+from dra_driver.simulated.gpus import SimulatedBackend
 from tests.nvidia_table import Row, read_table
 
 ROWS = read_table()

@@ -12,11 +12,11 @@ import copy
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from dra_driver.apiserver.rest import ApiError
 from dra_driver.resources.devices import build_devices
 from dra_driver.resources.publisher import SlicePublisher
 from dra_driver.resources.slices import split_pool
 from dra_driver.resources.wire import ResourceSlice
-from dra_driver.rest import ApiError
 from tests.background import running
 from tests.resources.factories import DRIVER, NODE, h100, inventory
 

@@ -31,7 +31,7 @@ Where the daemon runs is the :class:`MpsDaemons` implementation's business:
   Deployment of one privileged pod per daemon in the plugin's namespace, pinned to the node,
   shaped like NVIDIA's ``mps-control-daemon`` template, owned by the Node object and labelled
   with the claim, so that it goes with the node and leftovers can be found;
-* :class:`~dra_driver.node.sharing.mps_local.LocalMpsDaemons` (a simulated node, where no
+* :class:`~dra_driver.simulated.mps_daemons.LocalMpsDaemons` (a simulated node, where no
   kubelet runs pods): a stand-in process per daemon with the same lifecycle -- directories,
   startup, readiness (``startup.log``), failure (the process exits, its log says why), stop.
 

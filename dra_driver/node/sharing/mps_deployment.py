@@ -41,6 +41,7 @@ from pathlib import Path
 
 import structlog
 
+from dra_driver.apiserver.rest import ApiError, Json, JsonApi
 from dra_driver.node.sharing.mps import (
     DEFAULT_READY_TIMEOUT_S,
     LOG_DIR,
@@ -52,7 +53,6 @@ from dra_driver.node.sharing.mps import (
     MpsPaths,
     control_commands,
 )
-from dra_driver.rest import ApiError, Json, JsonApi
 
 log = structlog.get_logger(__name__)
 

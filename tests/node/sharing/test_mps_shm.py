@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from dra_driver.apiserver.rest import JsonApi
 from dra_driver.node.sharing import mps_deployment
 from dra_driver.node.sharing.mps_deployment import DeploymentMpsDaemons
-from dra_driver.rest import JsonApi
 from dra_driver.settings import shm_size_bytes
 
 

@@ -22,11 +22,11 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from dra_driver import bounded_json
-from dra_driver.informer import list_and_watch
+from dra_driver.apiserver import bounded_json
+from dra_driver.apiserver.informer import list_and_watch
+from dra_driver.apiserver.rest import Json, JsonApi
 from dra_driver.node.admission import refusal, review
 from dra_driver.resources.capacity_fit import OfferIndex
-from dra_driver.rest import Json, JsonApi
 
 log = structlog.get_logger(__name__)
 

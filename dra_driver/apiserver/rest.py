@@ -4,7 +4,7 @@ Raw JSON rather than the generated models: the models drop every field they do n
 read-modify-write through them would erase what a newer API server added; custom resources have
 no models at all; and the driver's logic wants plain dicts anyway. The ApiClient still supplies
 the connection pool, TLS and authentication from the usual kubeconfig or in-cluster
-configuration (see :mod:`dra_driver.kube`).
+configuration (see :mod:`dra_driver.apiserver.kube`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-if TYPE_CHECKING:  # only for the annotations: dra_driver.kube imports the client's machinery
+if TYPE_CHECKING:  # only for the annotations: dra_driver.apiserver.kube imports the client's machinery
     from kubernetes.aio.client import ApiClient
 
 _REQUEST_TIMEOUT_S = 30.0

@@ -293,7 +293,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.output.write_text(text)
         print(f"wrote {args.output}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,7 +13,7 @@ real GPU. The rules come from NVML and the MIG user guide
 * MIG mode cannot be switched on while processes use the full GPU, and a MIG
   device with processes attached cannot be destroyed (:meth:`SimulatedBackend.set_busy`);
 * a GPU bound to vfio-pci for passthrough (in the simulated sysfs tree,
-  :mod:`dra_driver.devices.sim_sysfs`) is gone from NVML's view, as on a node;
+  :mod:`dra_driver.simulated.sysfs`) is gone from NVML's view, as on a node;
 * a reboot (a new boot id) destroys every MIG device, clears faults and
   "in use" marks, and switches MIG mode off except on Ampere, which keeps it
   in the InfoROM.
@@ -44,9 +44,6 @@ from dra_driver.devices.backend import DeviceError, DeviceInUseError, PlacementU
 from dra_driver.devices.catalog import GpuModel
 from dra_driver.devices.host_imex import DEFAULT_SOCKET, IMEX_CTL
 from dra_driver.devices.pci import NVIDIA, PciBus
-from dra_driver.devices.sim_nodes import NVIDIA_MAJOR, NodeProfile, node_gpus, node_profile, profile_fabric
-from dra_driver.devices.sim_state import SimGpu, SimMigDevice, SimState, StateFile
-from dra_driver.devices.sim_sysfs import SimulatedKernel, gpu_tree
 from dra_driver.devices.types import (
     ComputeMode,
     ComputePolicy,
@@ -59,6 +56,9 @@ from dra_driver.devices.types import (
     Placement,
     TimeSlice,
 )
+from dra_driver.simulated.nodes import NVIDIA_MAJOR, NodeProfile, node_gpus, node_profile, profile_fabric
+from dra_driver.simulated.state import SimGpu, SimMigDevice, SimState, StateFile
+from dra_driver.simulated.sysfs import SimulatedKernel, gpu_tree
 
 DRIVER_VERSION = "580.95.05"
 CUDA_DRIVER_VERSION = (13, 0)

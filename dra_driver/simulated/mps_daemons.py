@@ -2,7 +2,7 @@
 
 A simulated node has no GPU and, in the end-to-end tests, no kubelet that runs pods, so a daemon
 Deployment would never start. Instead each daemon is a process on the plugin's machine,
-``python -m dra_driver.node.sharing.mps_standin`` (see there for what it does), with the real
+``python -m dra_driver.simulated.mps_control`` (see there for what it does), with the real
 daemon's lifecycle: its directories under ``<root>/<id>``, a start that is idempotent, readiness
 when ``startup.log`` appears in its log directory, failure when the process exits first (its
 ``control.log`` says why), and a stop that ends it and removes the directories.
@@ -38,7 +38,7 @@ from dra_driver.node.sharing.mps import (
 
 log = structlog.get_logger(__name__)
 
-STANDIN_MODULE = "dra_driver.node.sharing.mps_standin"
+STANDIN_MODULE = "dra_driver.simulated.mps_control"
 _POLL_S = 0.05
 _STOP_GRACE_S = 5.0
 

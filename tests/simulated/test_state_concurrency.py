@@ -13,8 +13,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from dra_driver.devices.backend import PlacementUnavailableError
-from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import Placement
+from dra_driver.simulated.gpus import SimulatedBackend
 
 H100_1G = 19
 
@@ -46,7 +46,7 @@ WORKER = """
 import sys
 from pathlib import Path
 from dra_driver.devices.backend import PlacementUnavailableError
-from dra_driver.devices.simulated import SimulatedBackend
+from dra_driver.simulated.gpus import SimulatedBackend
 from dra_driver.devices.types import Placement
 
 backend = SimulatedBackend("dgx-h100", "node-a", Path(sys.argv[1]))

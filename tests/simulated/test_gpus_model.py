@@ -17,8 +17,8 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from dra_driver.devices.backend import PlacementUnavailableError
 from dra_driver.devices.catalog import gpu_model
-from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import Placement
+from dra_driver.simulated.gpus import SimulatedBackend
 
 H100 = gpu_model("h100-sxm5-80gb")
 PROFILES = {p.profile_id: p for p in H100.mig_profiles}

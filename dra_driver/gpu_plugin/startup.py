@@ -29,8 +29,8 @@ from dra_driver.node.records import read_boot_id
 from dra_driver.settings import MIG_PARTITION_KEYWORDS, Settings, partition_gpus
 
 if TYPE_CHECKING:  # check_before_starting runs before the kubelet sockets open: it imports neither
-    from dra_driver import kube
-    from dra_driver.http import StatusServer
+    from dra_driver.apiserver import kube
+    from dra_driver.gpu_plugin.http import StatusServer
 
 
 def check_before_starting(settings: Settings) -> None:
@@ -76,7 +76,7 @@ def check_writable_dir(directory: Path, setting: str, *, mode: int = 0o777) -> N
 
 async def load_kube_configuration(kubeconfig: Path | None, configuration: kube.Configuration) -> None:
     """Fill ``configuration`` from ``kubeconfig``, or from the pod's service account when it is None."""
-    from dra_driver import kube
+    from dra_driver.apiserver import kube
 
     if kubeconfig is not None:
         await _load_kubeconfig(kubeconfig, configuration)
@@ -95,7 +95,7 @@ async def load_kube_configuration(kubeconfig: Path | None, configuration: kube.C
 
 
 async def _load_kubeconfig(path: Path, configuration: kube.Configuration) -> None:
-    from dra_driver import kube
+    from dra_driver.apiserver import kube
 
     where = f"kubeconfig {path} (--kubeconfig / DRA_KUBECONFIG)"
     try:

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from dra_driver.devices.backend import DeviceError, DeviceInUseError, PlacementUnavailableError
-from dra_driver.devices.simulated import SimulatedBackend, placement_refusal
 from dra_driver.devices.types import DeviceNode, Gpu, MigProfile, Placement
+from dra_driver.simulated.gpus import SimulatedBackend, placement_refusal
 
 # H100 profile ids (nvidia-smi mig -lgip)
 H100_1G, H100_1G_ME, H100_1G_20GB, H100_2G, H100_3G, H100_4G, H100_7G = 19, 20, 15, 14, 9, 5, 0

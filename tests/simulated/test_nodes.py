@@ -8,9 +8,9 @@ import pytest
 
 from dra_driver.devices.backend import DeviceError
 from dra_driver.devices.fabric import node_clique
-from dra_driver.devices.sim_nodes import NODE_PROFILES
-from dra_driver.devices.simulated import SimulatedBackend
 from dra_driver.devices.types import DeviceNode
+from dra_driver.simulated.gpus import SimulatedBackend
+from dra_driver.simulated.nodes import NODE_PROFILES
 
 GPU_UUID = re.compile(r"^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 BUS_ID = re.compile(r"^0000:[0-9a-f]{2}:00\.0$")

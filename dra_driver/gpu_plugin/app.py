@@ -1,7 +1,7 @@
 """The kubelet-plugin daemon: wires discovery, publishing, the kubelet sockets and prepare together.
 
 Start-up order matters to the kubelet: the sockets are already open when this runs
-(:mod:`dra_driver.launch`), and claim calls wait until the store is repaired (so a re-prepare
+(:mod:`dra_driver.gpu_plugin.launch`), and claim calls wait until the store is repaired (so a re-prepare
 after a crash sees the truth); slices are published in the background so an API outage delays
 nothing on the node. What only some nodes use is imported only there: ComputeDomains behind
 their gate, the status server and its metrics behind an HTTP address.
@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from dra_driver import kube
+from dra_driver.apiserver import kube
+from dra_driver.apiserver.informer import list_and_watch
+from dra_driver.apiserver.rest import JsonApi
 from dra_driver.cdi.metadata import MetadataFiles
 from dra_driver.cdi.spec import HOOK_COMMANDS, CommonEdits, common_edits
 from dra_driver.cdi.store import SpecStore
@@ -36,13 +38,12 @@ from dra_driver.devices.faults import FaultKind, NodeFaults
 from dra_driver.devices.health import HealthSource, open_health_source
 from dra_driver.devices.host_imex import HostImex, NvidiaImexCtl
 from dra_driver.devices.pci import PassthroughGpu
-from dra_driver.devices.simulated import STATE_FILE_NAME, SimulatedHostImex
 from dra_driver.devices.types import HealthState, Inventory
 from dra_driver.errors import StartupError
-from dra_driver.informer import list_and_watch
+from dra_driver.gpu_plugin.startup import check_mig_partitions, load_kube_configuration, start_status_server
+from dra_driver.gpu_plugin.tuning import HeapTrimmer, settle_collector
 from dra_driver.labels.gfd import gfd_labels
 from dra_driver.labels.labeller import NodeLabeller
-from dra_driver.memory import HeapTrimmer, settle_collector
 from dra_driver.node.binding import CLAIMS_PATH, RESYNC_S, BindingWatcher
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
 from dra_driver.node.claim_status import ApiServerClaimStatus, ClaimStatusWriter
@@ -51,7 +52,6 @@ from dra_driver.node.nvidia_config import NVIDIA_DRIVER_NAME
 from dra_driver.node.preparer import NodePreparer
 from dra_driver.node.sharing.mps import MpsDaemons
 from dra_driver.node.sharing.mps_deployment import DeploymentMpsDaemons
-from dra_driver.node.sharing.mps_local import LocalMpsDaemons
 from dra_driver.node.store import STORE_FILE
 from dra_driver.resources.devices import (
     PartitionPolicy,
@@ -74,7 +74,6 @@ from dra_driver.resources.taints import (
     unknown_gpus,
 )
 from dra_driver.resources.wire import DeviceTaint
-from dra_driver.rest import JsonApi
 from dra_driver.settings import (
     BindingConditions,
     Settings,
@@ -83,17 +82,18 @@ from dra_driver.settings import (
     shm_size_bytes,
     xid_numbers,
 )
-from dra_driver.startup import check_mig_partitions, load_kube_configuration, start_status_server
+from dra_driver.simulated.gpus import STATE_FILE_NAME, SimulatedHostImex
+from dra_driver.simulated.mps_daemons import LocalMpsDaemons
 
-if TYPE_CHECKING:  # only for the annotations: dra_driver.kube imports the client's machinery
+if TYPE_CHECKING:  # only for the annotations: dra_driver.apiserver.kube imports the client's machinery
     from kubernetes.aio.client import ApiClient
 
     from dra_driver.computedomain.plugin import ComputeDomainPlugin
-    from dra_driver.http import StatusServer
+    from dra_driver.gpu_plugin.http import StatusServer
+    from dra_driver.gpu_plugin.metrics import Metrics
     from dra_driver.kubelet.front import KubeletFront
-    from dra_driver.metrics import Metrics
 
-log = structlog.get_logger("dra_driver.app")
+log = structlog.get_logger("dra_driver.gpu_plugin.app")
 
 # How long shutdown waits for claim operations the kubelet no longer waits for (a MIG device
 # being created, a claim being read): with the DRA socket's 5 s grace this stays within the
@@ -409,7 +409,7 @@ async def serve_node(settings: Settings, kubelet: KubeletFront, stop: asyncio.Ev
     """Build the daemon behind the open kubelet sockets and serve until ``stop``.
 
     ``started`` is when the process began (for the log). Whatever fails here propagates; the
-    caller (:func:`dra_driver.launch.run_plugin`) answers held claim calls and removes the sockets.
+    caller (:func:`dra_driver.gpu_plugin.launch.run_plugin`) answers held claim calls and removes the sockets.
     """
     async with contextlib.AsyncExitStack() as held:
         api = await api_client(settings)
@@ -418,8 +418,8 @@ async def serve_node(settings: Settings, kubelet: KubeletFront, stop: asyncio.Ev
         status = None
         if settings.http_address:
             # aiohttp.web and prometheus_client: imported only by a daemon that serves probes.
-            from dra_driver.http import StatusServer
-            from dra_driver.metrics import Metrics
+            from dra_driver.gpu_plugin.http import StatusServer
+            from dra_driver.gpu_plugin.metrics import Metrics
 
             # Bound first: a wrong address fails at once, and probes get answers while GPUs are read.
             metrics = Metrics()
@@ -734,7 +734,9 @@ async def _serve(
                 await task
 
 
-GC_SETTLE_DELAY_S = 1.0  # after the daemon is ready: start-up's objects are frozen (dra_driver.memory)
+GC_SETTLE_DELAY_S = (
+    1.0  # after the daemon is ready: start-up's objects are frozen (dra_driver.gpu_plugin.tuning)
+)
 
 
 async def _until_stopped(stop: asyncio.Event, tasks: list[asyncio.Task[None]]) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from dra_driver.rest import ApiError, Json, JsonApi
+from dra_driver.apiserver.rest import ApiError, Json, JsonApi
 
 log = structlog.get_logger(__name__)
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from dra_driver.metrics import Metrics
+from dra_driver.gpu_plugin.metrics import Metrics
 from dra_driver.settings import http_host_port
 
 ReadinessCheck = Callable[[], str | None]

@@ -1,4 +1,4 @@
-"""A stand-in for ``nvidia-cuda-mps-control -d`` on a simulated node (started by :mod:`.mps_local`).
+"""A stand-in for ``nvidia-cuda-mps-control -d`` on a simulated node (started by :mod:`.mps_daemons`).
 
 What it does, in the order the real daemon and NVIDIA's daemon pod do it:
 

@@ -5,7 +5,7 @@ nothing else of it. So the daemon checks its settings (a bad one still ends the 
 its one line before anything opens), imports only what the sockets need (grpc, the
 generated protos, :mod:`dra_driver.kubelet`), serves the DRA socket and then the
 registration socket, and only then imports and builds the rest: the API client, the GPUs,
-the node's store, the slices, the status server (:func:`dra_driver.app.serve_node`). Claim
+the node's store, the slices, the status server (:func:`dra_driver.gpu_plugin.app.serve_node`). Claim
 calls that arrive meanwhile wait for the preparer (:mod:`dra_driver.kubelet.deferred`
 says what the kubelet makes of that); ``/readyz`` says not-ready until the plugin is
 registered and its slices are published, as before.
@@ -23,14 +23,14 @@ import time
 
 import structlog
 
+from dra_driver.gpu_plugin.startup import check_before_starting
 from dra_driver.kubelet.deferred import DeferredPreparer
 from dra_driver.kubelet.front import KubeletFront
 from dra_driver.kubelet.health import HealthBoard
 from dra_driver.kubelet.server import KubeletPlugin
 from dra_driver.settings import Settings
-from dra_driver.startup import check_before_starting
 
-log = structlog.get_logger("dra_driver.launch")
+log = structlog.get_logger("dra_driver.gpu_plugin.launch")
 
 
 async def run_plugin(settings: Settings, stop: asyncio.Event | None = None) -> None:
@@ -53,8 +53,8 @@ async def run_plugin(settings: Settings, stop: asyncio.Event | None = None) -> N
         # The kube client, aiohttp, the GPU backends: 0.3 s and more of imports, while the kubelet
         # registers us. In a thread: the event loop must answer GetInfo meanwhile (the kubelet
         # gives it 1 s), and an import holds the loop for as long as it runs.
-        await asyncio.to_thread(importlib.import_module, "dra_driver.app")
-        from dra_driver.app import serve_node
+        await asyncio.to_thread(importlib.import_module, "dra_driver.gpu_plugin.app")
+        from dra_driver.gpu_plugin.app import serve_node
 
         await serve_node(settings, KubeletFront(plugin, claims, health), stop, started)
     except BaseException as err:

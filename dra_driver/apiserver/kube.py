@@ -43,7 +43,7 @@ def _import_light() -> types.SimpleNamespace:
             raise ImportError("the kubernetes package is not installed")
         root = spec.submodule_search_locations[0]
         for name in _PLACEHOLDERS:
-            placeholder = types.ModuleType(name, "placeholder: see dra_driver.kube")
+            placeholder = types.ModuleType(name, "placeholder: see dra_driver.apiserver.kube")
             placeholder.__path__ = [f"{root}/{name.removeprefix('kubernetes').strip('.').replace('.', '/')}"]
             sys.modules[name] = placeholder
     configuration = importlib.import_module("kubernetes.aio.client.configuration")

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from dra_driver.devices.simulated import STATE_FILE_NAME, SimulatedBackend
 from dra_driver.devices.types import ComputeMode, ComputePolicy
 from dra_driver.node.sharing.mps import (
     MpsDaemonError,
@@ -18,7 +17,8 @@ from dra_driver.node.sharing.mps import (
     container_mounts,
     daemon_id,
 )
-from dra_driver.node.sharing.mps_local import LocalMpsDaemons
+from dra_driver.simulated.gpus import STATE_FILE_NAME, SimulatedBackend
+from dra_driver.simulated.mps_daemons import LocalMpsDaemons
 
 
 @pytest.fixture

@@ -48,6 +48,8 @@ from pathlib import Path
 import structlog
 from pydantic import ValidationError
 
+from dra_driver.apiserver.kube import ApiClient
+from dra_driver.apiserver.rest import ApiError, Json, JsonApi
 from dra_driver.computedomain.api import (
     CLIQUE_KIND,
     CLIQUE_PLURAL,
@@ -64,8 +66,6 @@ from dra_driver.computedomain.dnsnames import (
     static_nodes_config,
 )
 from dra_driver.computedomain.node import DAEMON_CONFIG, DAEMON_CONFIG_DIR, IMEX_SERVER_PORT, NODES_CONFIG
-from dra_driver.kube import ApiClient
-from dra_driver.rest import ApiError, Json, JsonApi
 
 log = structlog.get_logger(__name__)
 

@@ -1,0 +1,11 @@
+"""Everything that is not real: the stand-ins for the GPUs and for NVIDIA's programs.
+
+What a test or ``make demo`` runs instead of hardware. ``grep -r dra_driver.simulated dra_driver``
+lists every place real code can reach a stand-in (tests/test_layers.py keeps that list short):
+
+- :mod:`.gpus`: simulated GPUs behind the ``Backend`` interface, their MIG, health and faults;
+- :mod:`.nodes`: the node profiles ``--simulate`` accepts; :mod:`.state`: their shared state file;
+- :mod:`.sysfs`: a sysfs tree and kernel for passthrough (vfio-pci binding);
+- :mod:`.mps_daemons` and :mod:`.mps_control`: MPS control daemons as local processes;
+- :mod:`.imex_daemon`: the IMEX daemon of a ComputeDomain.
+"""
