@@ -7,7 +7,7 @@ imported, so a module's import-time work cannot hide or fake an edge) and counts
 top-level, inside functions, under ``TYPE_CHECKING``, and a module named in a string (what
 ``importlib.import_module`` or ``python -m`` runs), since each is a dependency a reader must follow.
 
-A new module must be placed in :data:`LAYERS`; a new stand-in in :data:`STAND_INS`.
+A new module must be placed in :data:`LAYERS`; a new stand-in goes in :data:`STAND_IN_PACKAGE`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "dra_driver.simulated.nodes",
             "dra_driver.simulated.state",
             "dra_driver.simulated.sysfs",
+            "dra_driver.simulated.health",
         ),
     ),
     ("apiserver", ("dra_driver.apiserver.*",)),  # the API-server edge
@@ -69,38 +70,35 @@ KUBELET_MAY_USE = ("dra_driver.node.types", "dra_driver.devices.types")
 FORBIDDEN_EXTERNAL: Mapping[str, tuple[str, ...]] = {"devices": ("kubernetes", "aiohttp", "grpc")}
 
 # What is not real: the simulated GPUs and what acts on them, and the stand-ins for NVIDIA's
-# programs. (devices/faults.py is not one: it is what a fault *is*, read from NVML on a real node.)
-STAND_INS = (
-    "dra_driver.simulated.gpus",
-    "dra_driver.simulated.nodes",
-    "dra_driver.simulated.state",
-    "dra_driver.simulated.sysfs",
-    "dra_driver.simulated.mps_daemons",
-    "dra_driver.simulated.mps_control",
-    "dra_driver.simulated.imex_daemon",  # the simulated IMEX daemon
-)
+# programs, all in one package. (devices/faults.py is not one: it is what a fault *is*, read from
+# NVML on a real node.)
+STAND_IN_PACKAGE = "dra_driver.simulated"
 
-# The real modules that use a stand-in today, each under its why. Every one is a switch between the
-# real thing and its stand-in, or the simulator's own command; the `simulated` package of issue 24
-# is meant to shrink this list to the one switch that picks a backend.
+# The real modules that reach a stand-in, each under its why: the switch between the real thing and
+# its stand-in, the one program-level choice the switch cannot make, and the simulator's own commands.
 STAND_IN_USERS: frozenset[tuple[str, str]] = frozenset(
     {
-        # the switch: --simulate picks the backend
+        # the switch: --simulate picks the GPU backend, its health source and the host IMEX check
         ("dra_driver.devices.backends", "dra_driver.simulated.gpus"),
-        # open_health_source: a simulated backend's faults come from the simulator's state file
-        ("dra_driver.devices.health", "dra_driver.simulated.gpus"),
-        # a simulated node runs its MPS daemons as local processes, beside the simulator's state
+        ("dra_driver.devices.backends", "dra_driver.simulated.health"),
+        # a simulated node runs its MPS daemons as local processes (a real one: a Deployment each),
+        # a choice of the plugin's, above the hardware layer where the switch lives
         ("dra_driver.gpu_plugin.app", "dra_driver.simulated.mps_daemons"),
-        ("dra_driver.gpu_plugin.app", "dra_driver.simulated.gpus"),
-        # `dra-driver simulate`, the simulator's fault injection; `inventory --list-profiles`
+        # `dra-driver simulate` (the simulator's fault injection) and `inventory --list-profiles`
         ("dra_driver.cli", "dra_driver.simulated.gpus"),
         ("dra_driver.cli", "dra_driver.simulated.nodes"),
-        # --simulate checks the node profile it is given
+        # --simulate's value is checked against the node profiles with the other settings
         ("dra_driver.settings", "dra_driver.simulated.nodes"),
         # `compute-domain-daemon` runs the simulated IMEX daemon
         ("dra_driver.computedomain.cli", "dra_driver.simulated.imex_daemon"),
     }
 )
+
+
+def stand_ins(package: Path) -> list[str]:
+    """The modules of the stand-in package."""
+    return [name for name in modules(package) if f"{name}.".startswith(f"{STAND_IN_PACKAGE}.")]
+
 
 # Circles that exist today, each with why it is left for now. (app <-> launch was one: KubeletFront
 # moved to kubelet/front.py.)
@@ -305,15 +303,26 @@ def test_no_two_modules_import_each_other(project: list[Import]) -> None:
 
 
 def test_real_code_reaches_the_stand_ins_only_through_the_listed_switches(project: list[Import]) -> None:
-    assert stand_in_uses(project, STAND_INS, STAND_IN_USERS) == []
+    assert stand_in_uses(project, stand_ins(PACKAGE), STAND_IN_USERS) == []
 
 
 def test_every_listed_stand_in_and_switch_exists(project: list[Import]) -> None:
     """A stale entry would let a new import through under an old name's cover."""
-    known = modules(PACKAGE)
     edges = {(imp.importer, imp.imported) for imp in project}
-    assert [name for name in STAND_INS if name not in known] == []
+    assert len(stand_ins(PACKAGE)) > 5  # the package is where the stand-ins are
     assert [pair for pair in STAND_IN_USERS if pair not in edges] == []
+
+
+def test_no_simulated_thing_is_defined_outside_the_stand_in_package() -> None:
+    """``Simulated*`` is how a stand-in is named: one outside the package escaped the checks above."""
+    outside = [
+        f"{name}: class {node.name}"
+        for name, path in modules(PACKAGE).items()
+        if name not in stand_ins(PACKAGE)
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.ClassDef) and node.name.startswith("Simulated")
+    ]
+    assert outside == []
 
 
 # --- the checker, on a planted tree ---------------------------------------------------------------

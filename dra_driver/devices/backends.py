@@ -1,12 +1,24 @@
-"""The one place that decides which backend drives the node's GPUs."""
+"""The one switch between the real node and the simulator: which backend drives the GPUs.
+
+Every real module that can run on a simulated node gets its hardware here: the GPU backend, the
+health source that goes with it, and the host's IMEX daemon check. ``--simulate`` decides. Beside
+this switch only the MPS daemons' (a program's choice, above this layer) and the simulator's own
+commands import :mod:`dra_driver.simulated`; tests/test_layers.py holds the list.
+"""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from dra_driver.devices.backend import Backend
+from dra_driver.devices.faults import APPLICATION_XIDS
+from dra_driver.devices.health import HealthSource, NvmlHealthSource
+from dra_driver.devices.host_imex import HostImex, NvidiaImexCtl
 from dra_driver.devices.nvml import NvmlBackend
-from dra_driver.simulated.gpus import SimulatedBackend
+from dra_driver.simulated.gpus import STATE_FILE_NAME, SimulatedBackend, SimulatedHostImex
+from dra_driver.simulated.health import SimulatedHealthSource
 
 
 def open_backend(
@@ -43,3 +55,35 @@ def open_backend(
         driver_root=driver_root,
         state_dir=data_dir,
     )
+
+
+def open_health_source(
+    backend: Backend,
+    *,
+    ignored_xids: Collection[int] = APPLICATION_XIDS,
+    poll_seconds: float = 0.5,
+    clock: Callable[[], float] = time.time,
+) -> HealthSource:
+    """The health source that goes with ``backend``; ``poll_seconds`` is how often it looks."""
+    if isinstance(backend, SimulatedBackend):
+        return SimulatedHealthSource(
+            backend, ignored_xids=ignored_xids, poll_seconds=poll_seconds, clock=clock
+        )
+    if isinstance(backend, NvmlBackend):
+        return NvmlHealthSource(
+            ignored_xids=ignored_xids,
+            poll_seconds=poll_seconds,
+            clock=clock,
+            known_gpus=backend.known_gpus(),
+            mig_mode_switches=backend.mig_mode_switches,
+            call_timeout=backend.call_timeout,
+        )
+    raise TypeError(f"no health source for the backend {type(backend).__name__}")
+
+
+def open_host_imex(simulate: str | None, data_dir: Path, driver_root: Path, socket: str) -> HostImex:
+    """The check of the host's ``nvidia-imex`` daemon (host-managed IMEX): ``nvidia-imex-ctl`` from
+    the driver root, or on a simulated node the state ``dra-driver simulate host-imex`` sets."""
+    if simulate:
+        return SimulatedHostImex(data_dir / STATE_FILE_NAME, socket)
+    return NvidiaImexCtl(driver_root, socket)

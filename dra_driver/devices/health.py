@@ -1,4 +1,4 @@
-"""Where GPU faults come from: NVML's event stream on a real node, the simulator's state file elsewhere.
+"""Where a real node's GPU faults come from: NVML's events (a simulated node's: simulated/health.py).
 
 A health source watches the node's GPUs and yields the node's faults as a whole
 (:data:`NodeFaults`) at once and again after every change. What the faults mean for the
@@ -24,11 +24,10 @@ from typing import Any, Protocol
 import pynvml
 import structlog
 
-from dra_driver.devices.backend import Backend, DeviceError
+from dra_driver.devices.backend import DeviceError
 from dra_driver.devices.faults import APPLICATION_XIDS, XID_MEANINGS, Fault, FaultKind, NodeFaults, carry_over
-from dra_driver.devices.nvml import DEFAULT_CALL_TIMEOUT, NvmlBackend
+from dra_driver.devices.nvml import DEFAULT_CALL_TIMEOUT
 from dra_driver.devices.nvml_calls import NvmlCalls, NvmlHungError
-from dra_driver.simulated.gpus import SimulatedBackend
 
 log = structlog.get_logger(__name__)
 
@@ -48,31 +47,7 @@ class HealthSource(Protocol):
         ...
 
 
-def open_health_source(
-    backend: Backend,
-    *,
-    ignored_xids: Collection[int] = APPLICATION_XIDS,
-    poll_seconds: float = 0.5,
-    clock: Callable[[], float] = time.time,
-) -> HealthSource:
-    """The health source that goes with ``backend``; ``poll_seconds`` is how often it looks."""
-    if isinstance(backend, SimulatedBackend):
-        return SimulatedHealthSource(
-            backend, ignored_xids=ignored_xids, poll_seconds=poll_seconds, clock=clock
-        )
-    if isinstance(backend, NvmlBackend):
-        return NvmlHealthSource(
-            ignored_xids=ignored_xids,
-            poll_seconds=poll_seconds,
-            clock=clock,
-            known_gpus=backend.known_gpus(),
-            mig_mode_switches=backend.mig_mode_switches,
-            call_timeout=backend.call_timeout,
-        )
-    raise TypeError(f"no health source for the backend {type(backend).__name__}")
-
-
-class _IgnoredXids:
+class IgnoredXids:
     """Drops application Xids, logging each one once per GPU so that an operator can see why."""
 
     def __init__(self, ignored: Collection[int]) -> None:
@@ -92,50 +67,6 @@ class _IgnoredXids:
                 hint="the setting ignored-xids lists the Xids that do not make a GPU unhealthy",
             )
         return False
-
-
-class SimulatedHealthSource:
-    """The faults injected into the simulator (``dra-driver simulate xid|recover``), read every period.
-
-    The state file is the simulated hardware, shared with the CLI in another process, so it
-    is simply read again: a few kilobytes, parsed in well under a millisecond.
-    """
-
-    def __init__(
-        self,
-        backend: SimulatedBackend,
-        *,
-        ignored_xids: Collection[int] = APPLICATION_XIDS,
-        poll_seconds: float = 0.5,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self._backend = backend
-        self._ignored = _IgnoredXids(ignored_xids)
-        self._poll_seconds = poll_seconds
-        self._clock = clock
-
-    async def watch(self) -> AsyncIterator[NodeFaults]:
-        current: dict[str, tuple[Fault, ...]] | None = None
-        while True:
-            try:
-                injected = await asyncio.to_thread(self._backend.faults)
-            except DeviceError as error:
-                log.warning("reading the simulated GPUs' faults failed; retrying", error=str(error))
-            else:
-                now = int(self._clock())
-                observed = {
-                    uuid: [
-                        Fault(FaultKind.XID, since=now, xid=xid)
-                        for xid in xids
-                        if self._ignored.critical(uuid, xid)
-                    ]
-                    for uuid, xids in injected.items()
-                }
-                latest = carry_over(current or {}, observed)
-                if latest != current:
-                    current = latest
-                    yield latest
-            await asyncio.sleep(self._poll_seconds)
 
 
 @dataclass
@@ -188,7 +119,7 @@ class NvmlHealthSource:
         mig_mode_switches: Callable[[], int] = lambda: 0,
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
     ) -> None:
-        self._ignored = _IgnoredXids(ignored_xids)
+        self._ignored = IgnoredXids(ignored_xids)
         self._timeout_ms = max(1, int(poll_seconds * 1000))
         self._clock = clock
         self._known_gpus = dict(known_gpus or {})

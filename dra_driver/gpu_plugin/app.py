@@ -27,7 +27,7 @@ from dra_driver.cdi.metadata import MetadataFiles
 from dra_driver.cdi.spec import HOOK_COMMANDS, CommonEdits, common_edits
 from dra_driver.cdi.store import SpecStore
 from dra_driver.devices.backend import Backend, DeviceError
-from dra_driver.devices.backends import open_backend
+from dra_driver.devices.backends import open_backend, open_health_source, open_host_imex
 from dra_driver.devices.driver_root import (
     cdi_hook_commands,
     find_cdi_hook,
@@ -35,8 +35,8 @@ from dra_driver.devices.driver_root import (
     parse_capabilities,
 )
 from dra_driver.devices.faults import FaultKind, NodeFaults
-from dra_driver.devices.health import HealthSource, open_health_source
-from dra_driver.devices.host_imex import HostImex, NvidiaImexCtl
+from dra_driver.devices.health import HealthSource
+from dra_driver.devices.host_imex import HostImex
 from dra_driver.devices.pci import PassthroughGpu
 from dra_driver.devices.types import HealthState, Inventory
 from dra_driver.errors import StartupError
@@ -82,7 +82,6 @@ from dra_driver.settings import (
     shm_size_bytes,
     xid_numbers,
 )
-from dra_driver.simulated.gpus import STATE_FILE_NAME, SimulatedHostImex
 from dra_driver.simulated.mps_daemons import LocalMpsDaemons
 
 if TYPE_CHECKING:  # only for the annotations: dra_driver.apiserver.kube imports the client's machinery
@@ -457,7 +456,7 @@ def mps_daemons(settings: Settings, api: ApiClient) -> MpsDaemons | None:
     Deployment per daemon in the plugin's namespace, which needs that namespace and an image.
     """
     if settings.simulate:
-        return LocalMpsDaemons(settings.state_dir / "mps", settings.state_dir / STATE_FILE_NAME)
+        return LocalMpsDaemons.of_node(settings.state_dir)
     if not (settings.pod_namespace and settings.mps_daemon_image):
         log.info("MPS claims are refused: --pod-namespace and --mps-daemon-image are not both set")
         return None
@@ -559,9 +558,12 @@ def host_imex(settings: Settings) -> HostImex | None:
     """The check of the host's nvidia-imex daemon in the host-managed IMEX mode; None: driver-managed."""
     if not settings.host_managed_imex:
         return None
-    if settings.simulate:
-        return SimulatedHostImex(settings.state_dir / STATE_FILE_NAME, settings.imex_host_socket_path)
-    return NvidiaImexCtl(settings.driver_root_mount or settings.driver_root, settings.imex_host_socket_path)
+    return open_host_imex(
+        settings.simulate or None,
+        settings.state_dir,
+        settings.driver_root_mount or settings.driver_root,
+        settings.imex_host_socket_path,
+    )
 
 
 async def _serve(

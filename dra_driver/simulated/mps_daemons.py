@@ -35,6 +35,7 @@ from dra_driver.node.sharing.mps import (
     MpsPaths,
     control_commands,
 )
+from dra_driver.simulated.gpus import STATE_FILE_NAME
 
 log = structlog.get_logger(__name__)
 
@@ -50,6 +51,11 @@ class LocalMpsDaemons:
         self._root = root
         self._gpu_state = gpu_state
         self._children: dict[str, subprocess.Popen[bytes]] = {}  # started by this process: reaped here
+
+    @classmethod
+    def of_node(cls, data_dir: Path) -> LocalMpsDaemons:
+        """The daemons of the simulated node whose plugin keeps its state in ``data_dir``."""
+        return cls(data_dir / "mps", data_dir / STATE_FILE_NAME)
 
     def paths(self, daemon_id: str) -> MpsPaths:
         return MpsPaths(self._root / daemon_id)

@@ -12,7 +12,8 @@ import pynvml
 import pytest
 from structlog.testing import capture_logs
 
-from dra_driver.devices.health import Fault, FaultKind, NodeFaults, NvmlHealthSource, open_health_source
+from dra_driver.devices.backends import open_health_source
+from dra_driver.devices.health import Fault, FaultKind, NodeFaults, NvmlHealthSource
 from dra_driver.devices.nvml import NvmlBackend
 from dra_driver.devices.types import Placement
 from tests.mock_nvml import MockNvml, install_driver_root, install_procfs

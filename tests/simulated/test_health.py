@@ -10,15 +10,10 @@ import pytest
 from structlog.testing import capture_logs
 
 from dra_driver.devices.backend import DeviceError
-from dra_driver.devices.health import (
-    Fault,
-    FaultKind,
-    NodeFaults,
-    SimulatedHealthSource,
-    carry_over,
-    open_health_source,
-)
+from dra_driver.devices.backends import open_health_source
+from dra_driver.devices.health import Fault, FaultKind, NodeFaults, carry_over
 from dra_driver.simulated.gpus import SimulatedBackend
+from dra_driver.simulated.health import SimulatedHealthSource
 
 GUARD_S = 30  # against a hang only
 T0 = 1_800_000_000
