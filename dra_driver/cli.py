@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import os
 import signal
 import sys
@@ -38,6 +37,7 @@ from dra_driver.computedomain.cli import add_commands as add_compute_domain_comm
 from dra_driver.devices.backend import DeviceError
 from dra_driver.devices.types import Gpu
 from dra_driver.errors import EXIT_FAILURE, EXIT_USAGE, StartupError
+from dra_driver.gpu_plugin import tuning
 from dra_driver.gpu_plugin.startup import check_mig_partitions
 from dra_driver.kubelet.sockets import KubeletSocketError
 from dra_driver.log import configure, crash_line, error_line, wants_json
@@ -104,7 +104,7 @@ def _run(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command != "kubelet-plugin":
-        gc.enable()  # off for the imports (dra_driver.__main__); the daemon turns it on once it serves
+        tuning.collector_on()  # off for the imports (dra_driver.__main__); the daemon's: once it serves
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
@@ -297,7 +297,7 @@ async def _webhook_api_client(settings: Settings) -> ApiClient | None:
 
 def _inventory(args: argparse.Namespace) -> int:
     from dra_driver.devices.backends import open_backend
-    from dra_driver.gpu_plugin.app import desired_slices
+    from dra_driver.gpu_plugin.policies import desired_slices
     from dra_driver.resources.pool import PoolOwner, plan_pool
     from dra_driver.resources.server_rules import NEWEST, rules_of_release
 

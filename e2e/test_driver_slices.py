@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dra_driver.gpu_plugin.app import desired_slices
+from dra_driver.gpu_plugin.policies import desired_slices
 from dra_driver.resources.pool import PoolOwner, dropped_fields, plan_pool
 from dra_driver.resources.server_rules import rules_for
 from dra_driver.resources.wire import ResourceSlice

@@ -20,7 +20,7 @@ from bench.scale_checks import (
     request_counts,
     steady_requests,
 )
-from dra_driver.gpu_plugin.app import desired_slices
+from dra_driver.gpu_plugin.policies import desired_slices
 from dra_driver.resources.pool import PoolOwner, plan_pool
 from dra_driver.settings import DEFAULT_DRIVER_NAME, Settings
 from dra_driver.simulated.gpus import SimulatedBackend

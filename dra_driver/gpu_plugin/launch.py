@@ -17,13 +17,13 @@ removes the sockets, and ends with the same one-line error as a failure before t
 from __future__ import annotations
 
 import asyncio
-import importlib
 import signal
 import time
 
 import structlog
 
 from dra_driver.gpu_plugin.startup import check_before_starting
+from dra_driver.gpu_plugin.tuning import import_off_the_loop
 from dra_driver.kubelet.deferred import DeferredPreparer
 from dra_driver.kubelet.front import KubeletFront
 from dra_driver.kubelet.health import HealthBoard
@@ -53,7 +53,7 @@ async def run_plugin(settings: Settings, stop: asyncio.Event | None = None) -> N
         # The kube client, aiohttp, the GPU backends: 0.3 s and more of imports, while the kubelet
         # registers us. In a thread: the event loop must answer GetInfo meanwhile (the kubelet
         # gives it 1 s), and an import holds the loop for as long as it runs.
-        await asyncio.to_thread(importlib.import_module, "dra_driver.gpu_plugin.app")
+        await import_off_the_loop("dra_driver.gpu_plugin.app")
         from dra_driver.gpu_plugin.app import serve_node
 
         await serve_node(settings, KubeletFront(plugin, claims, health), stop, started)

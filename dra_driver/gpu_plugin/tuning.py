@@ -1,21 +1,32 @@
-"""Handing the heap memory a burst of claims freed back to the operating system.
+"""The daemon's start-up and memory policy, in one place: each knob, what it buys, and where it acts.
 
-A burst of claim operations (200 concurrent prepares: their gRPC calls, API requests and
-JSON) allocates tens of MiB that are freed when it ends, but glibc's allocator keeps freed
-pages of its heaps mapped, so the plugin's resident memory stayed at its high-water mark for
-good. ``malloc_trim(0)`` returns every whole free page inside the heaps to the kernel
-(``madvise(MADV_DONTNEED)``); it changes no live allocation. The daemon calls it once the
-node has been idle for a moment after claim operations, never while one is running.
+CPython's defaults suit a short script; a node daemon imports some 700 modules once, then serves
+small bursts of claims for months. Each knob below was measured with ``make bench`` (the figures:
+docs/performance.md, "Start-up" and "Latency and CPU per claim"):
 
-Only glibc has ``malloc_trim``; elsewhere (musl) this does nothing.
+1. **The cyclic collector is off while ``dra-driver`` imports** (:func:`collector_off_for_imports`,
+   called first thing by ``dra_driver.__main__``). Start-up frees almost nothing, and walking its
+   new objects cost 15 to 20 % of the import CPU. Every command but the daemon turns it on again at
+   once (:func:`collector_on`); the daemon, when it serves (:func:`serving`).
+2. **What the kubelet's sockets do not need is imported in a worker thread**
+   (:func:`import_off_the_loop`, in :mod:`.launch`). An import holds the event loop for as long as
+   it runs, and the kubelet gives GetInfo 1 s; under load an import on the loop timed it out.
+3. **Start-up's objects are frozen once the daemon serves** (:func:`settle_collector`,
+   ``GC_SETTLE_DELAY_S`` after it is ready, off the path of the kubelet's first calls). Some
+   70 000 long-lived objects (grpc, the Kubernetes client, pydantic) leave every later collection,
+   which walked them in 24 ms inside whichever prepare tripped it, and the young generation is
+   collected every ``GEN0_THRESHOLD`` allocations instead of 700, so fewer of a claim's
+   short-lived objects are promoted and walked again.
+4. **The heap goes back to the kernel after a burst** (:class:`HeapTrimmer`). glibc keeps freed
+   pages mapped, so resident memory stayed at a burst's high-water mark; ``malloc_trim(0)`` returns
+   every whole free page (``madvise(MADV_DONTNEED)``) once the node has been idle for
+   ``IDLE_DELAY_S``, never while a claim operation runs. Only glibc has it; elsewhere (musl) this
+   does nothing.
 
-The cyclic garbage collector gets the same care (:func:`settle_collector`). Start-up leaves
-tens of thousands of long-lived objects (the modules of grpc, the Kubernetes client, pydantic), and
-every full collection walked all of them, in the middle of whichever prepare tripped it, which
-made the worst prepares several times the median (docs/performance.md has the figures).
-Frozen after start-up, they are no collection's business any more; and a larger first
-generation collects the short-lived objects of a claim operation (gRPC messages, JSON, log
-events) less often, so fewer of them live long enough to be promoted and walked again.
+Two more choices live with the code they shape, since they are how that code works rather than a
+setting of the process: at most 16 connections to the API server (``.app.API_CONNECTIONS``), and
+the store's commit and the CDI spec writes on the event loop (cheaper than a thread hop:
+:mod:`dra_driver.node.store`).
 """
 
 from __future__ import annotations
@@ -24,10 +35,39 @@ import asyncio
 import ctypes
 import ctypes.util
 import gc
+import importlib
 from collections.abc import Callable
 
 IDLE_DELAY_S = 1.0  # after the last claim operation of a burst
+GC_SETTLE_DELAY_S = 1.0  # after the daemon is ready
 GEN0_THRESHOLD = 10_000  # allocations between young collections (Python's default: 700)
+
+
+def collector_off_for_imports() -> None:
+    """Knob 1: no cyclic collection while the program imports; :func:`collector_on` ends it."""
+    gc.disable()
+
+
+def collector_on() -> None:
+    """Knob 1 ends for a command that is not the daemon: it runs with Python's defaults."""
+    gc.enable()
+
+
+async def import_off_the_loop(module: str) -> None:
+    """Knob 2: import ``module`` in a worker thread, so the event loop goes on answering meanwhile."""
+    await asyncio.to_thread(importlib.import_module, module)
+
+
+def serving(trimmer: HeapTrimmer) -> None:
+    """The daemon serves: the collector on again (knob 1), and a moment later, off the path of the
+    kubelet's first calls, start-up's objects frozen (knob 3) and what it freed trimmed (knob 4)."""
+    gc.enable()
+
+    def settle() -> None:
+        settle_collector()
+        trimmer.idle()
+
+    asyncio.get_running_loop().call_later(GC_SETTLE_DELAY_S, settle)
 
 
 def settle_collector() -> None:

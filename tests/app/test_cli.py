@@ -134,6 +134,7 @@ AFTER_THE_SOCKETS = [
     "prometheus_client",
     "pynvml",
     "dra_driver.gpu_plugin.app",
+    "dra_driver.gpu_plugin.watches",
     "dra_driver.apiserver.kube",
 ]
 

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from dra_driver.devices.types import Inventory
-from dra_driver.gpu_plugin.app import edits_for
+from dra_driver.gpu_plugin.policies import edits_for
 from dra_driver.settings import Settings
 
 VERSION = "580.95.05"

@@ -9,7 +9,7 @@ import pytest
 
 from dra_driver import cli
 from dra_driver.cli import add_settings_flags, env_name, settings_from
-from dra_driver.gpu_plugin.app import taint_policy
+from dra_driver.gpu_plugin.policies import taint_policy
 from dra_driver.resources.taints import TaintEffect, TaintPolicy
 from dra_driver.settings import Settings
 

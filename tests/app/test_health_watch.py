@@ -10,7 +10,7 @@ from structlog.testing import capture_logs
 
 from dra_driver.devices.faults import Fault, FaultKind, NodeFaults
 from dra_driver.devices.types import Inventory
-from dra_driver.gpu_plugin.app import HealthWatch
+from dra_driver.gpu_plugin.watches import HealthWatch
 from dra_driver.resources.taints import TaintPolicy
 from dra_driver.simulated.gpus import SimulatedBackend
 from tests.background import running

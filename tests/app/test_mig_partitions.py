@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dra_driver.gpu_plugin.app import partition_policy
+from dra_driver.gpu_plugin.policies import partition_policy
 from dra_driver.resources.devices import build_devices
 from dra_driver.settings import Settings
 from tests.resources.factories import h100, inventory

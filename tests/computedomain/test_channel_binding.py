@@ -23,7 +23,7 @@ from dra_driver.computedomain.api import (
 from dra_driver.computedomain.node import ComputeDomainPreparer, compute_domain_slices
 from dra_driver.computedomain.plugin import ComputeDomainPlugin
 from dra_driver.devices.types import Inventory
-from dra_driver.gpu_plugin.app import binding_watch
+from dra_driver.gpu_plugin.watches import binding_watch
 from dra_driver.node.binding import BindingWatcher
 from dra_driver.node.store import STORE_FILE, open_store
 from dra_driver.resources.server_rules import NEWEST, rules_for

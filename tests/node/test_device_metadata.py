@@ -17,7 +17,7 @@ import pytest
 
 from dra_driver.cdi.metadata import MetadataFiles
 from dra_driver.cdi.spec import common_edits
-from dra_driver.gpu_plugin.app import desired_slices
+from dra_driver.gpu_plugin.policies import desired_slices
 from dra_driver.node.claims import allocated_claim
 from dra_driver.node.plan import MetadataSource, plan_claim
 from dra_driver.node.preparer import NodePreparer

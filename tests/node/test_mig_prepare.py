@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from dra_driver.devices.types import Inventory, MigDevice, Placement
-from dra_driver.gpu_plugin.app import desired_slices
+from dra_driver.gpu_plugin.policies import desired_slices
 from dra_driver.node.config import API_VERSION
 from dra_driver.node.preparer import NodePreparer
 from dra_driver.node.records import ClaimRecord, DeviceRecord, MigRecord, Phase

@@ -198,7 +198,7 @@ class NvmlNodeStateModel(NodeStateModel):
 
 
 class _InventoryWatch:
-    """An instance's view of the GPUs, as the app keeps it (``dra_driver.gpu_plugin.app.InventoryWatch``).
+    """An instance's view of the GPUs, as the app keeps it (``dra_driver.gpu_plugin.watches.InventoryWatch``).
 
     The app reads the inventory once, takes the one a MIG change reads after it, and re-reads it
     periodically; here the periodic read has always happened before the kubelet's next call: the

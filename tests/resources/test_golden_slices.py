@@ -26,7 +26,7 @@ import yaml
 
 from dra_driver.devices.catalog import gpu_model
 from dra_driver.devices.types import Inventory
-from dra_driver.gpu_plugin.app import desired_slices
+from dra_driver.gpu_plugin.policies import desired_slices
 from dra_driver.resources.devices import build_devices, partition_all
 from dra_driver.resources.slices import (
     MAX_COUNTER_SETS_PER_SLICE,

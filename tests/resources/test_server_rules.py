@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dra_driver.errors import StartupError
-from dra_driver.gpu_plugin.app import binding_conditions_on, check_taint_effects
+from dra_driver.gpu_plugin.policies import binding_conditions_on, check_taint_effects
 from dra_driver.resources.server_rules import NEWEST, ServerRules, rules_for
 from dra_driver.resources.taints import TaintEffect
 from dra_driver.settings import Settings
