@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dra_driver.devices.types import Inventory
-from dra_driver.resources.naming import gpu_device_name, maintenance_device_name, mig_device_name
+from dra_driver.resources.device_names import gpu_device_name, maintenance_device_name, mig_device_name
 
 JsonObject = dict[str, Any]
 _EXAMPLES = 5  # names shown per kind of problem

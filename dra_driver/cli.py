@@ -41,8 +41,7 @@ from dra_driver.gpu_plugin import tuning
 from dra_driver.gpu_plugin.startup import check_mig_partitions
 from dra_driver.kubelet.sockets import KubeletSocketError
 from dra_driver.log import configure, crash_line, error_line, wants_json
-from dra_driver.node.records import BootIdUnavailable
-from dra_driver.node.store import StoreFromNewerDriver
+from dra_driver.node.records import BootIdUnavailable, StoreFromNewerDriver
 from dra_driver.settings import ENV_PREFIX, LogFormat, Settings, xid_numbers
 from dra_driver.simulated.nodes import NODE_PROFILES
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from dra_driver.devices.types import Gpu
-from dra_driver.resources.naming import gpu_device_name
+from dra_driver.resources.device_names import gpu_device_name
 from e2e import manifests
 from e2e.cluster import ClusterInfo, JsonObject, RestClient
 from e2e.daemon import wait_until

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from dra_driver.devices.types import Gpu, MigDevice
-from dra_driver.resources.naming import mig_device_name
+from dra_driver.resources.device_names import mig_device_name
 from dra_driver.resources.server_rules import rules_for
 from dra_driver.simulated.gpus import SimulatedBackend
 from e2e import manifests

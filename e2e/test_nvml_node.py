@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dra_driver.resources.naming import mig_device_name
+from dra_driver.resources.device_names import mig_device_name
 from e2e import manifests
 from e2e.cluster import ClusterInfo, JsonObject, RestClient
 from e2e.daemon import wait_until

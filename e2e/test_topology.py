@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from dra_driver.devices.types import Gpu, Inventory
-from dra_driver.resources.naming import gpu_device_name
+from dra_driver.resources.device_names import gpu_device_name
 from e2e import manifests
 from e2e.claims import gpu_uuid, run_on_gpu, wait_unschedulable
 from e2e.cluster import ClusterInfo, JsonObject, RestClient

@@ -10,7 +10,7 @@ from typing import Any
 from dra_driver.cdi.spec import cdi_device_id, uuid_env_name
 from dra_driver.cdi.validate import validate_spec
 from dra_driver.devices.types import Inventory
-from dra_driver.resources.naming import gpu_device_name, mig_device_name
+from dra_driver.resources.device_names import gpu_device_name, mig_device_name
 from e2e.cluster import ApiError, JsonObject, RestClient
 from e2e.cluster.features import kube_minor
 from e2e.daemon import wait_until

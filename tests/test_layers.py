@@ -101,12 +101,8 @@ def stand_ins(package: Path) -> list[str]:
 
 
 # Circles that exist today, each with why it is left for now. (app <-> launch was one: KubeletFront
-# moved to kubelet/front.py.)
-KNOWN_CYCLES: Mapping[frozenset[str], str] = {
-    frozenset({"dra_driver.node.store", "dra_driver.node.legacy"}): (
-        "legacy.py imports the store's two exceptions back; the node-state issue rewrites store.py"
-    ),
-}
+# moved to kubelet/front.py; node/store <-> node/legacy another: the store's errors are in records.py.)
+KNOWN_CYCLES: Mapping[frozenset[str], str] = {}
 
 
 @dataclass(frozen=True)

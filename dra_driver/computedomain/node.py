@@ -87,9 +87,9 @@ from dra_driver.devices.host_imex import HostImex
 from dra_driver.devices.types import DeviceNode
 from dra_driver.node.claim_fetcher import ClaimFetcher
 from dra_driver.node.claims import AllocationResult, ClaimRejected, allocated_claim, check_ref
-from dra_driver.node.records import Phase
+from dra_driver.node.records import MutationRejected, Phase
 from dra_driver.node.recovery import CONFLICT_ADVICE, Conflict
-from dra_driver.node.store import DomainClaim, DomainPhase, MutationRejected, Store
+from dra_driver.node.store import DomainClaim, DomainPhase, Store
 from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice, PrepareOutcome
 from dra_driver.resources.devices import FAILED_CONDITION, READY_CONDITION
 from dra_driver.resources.slices import SliceContent

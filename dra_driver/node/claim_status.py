@@ -57,7 +57,7 @@ import structlog
 from dra_driver.devices.faults import FaultKind, NodeFaults
 from dra_driver.devices.types import Gpu, HealthState, Inventory, MigDevice
 from dra_driver.node.types import ClaimRef, PreparedDevice
-from dra_driver.resources.naming import gpu_device_name, mig_device_name
+from dra_driver.resources.device_names import gpu_device_name, mig_device_name
 from dra_driver.resources.taints import gpu_devices, gpu_health
 
 log = structlog.get_logger(__name__)

@@ -26,7 +26,7 @@ from typing import Any
 import structlog
 from pydantic import ValidationError
 
-from dra_driver.node.records import ClaimRecord, MigRecord
+from dra_driver.node.records import ClaimRecord, MigRecord, MutationRejected, StoreFromNewerDriver
 
 log = structlog.get_logger(__name__)
 
@@ -69,8 +69,6 @@ def import_into(
     if file_boot != boot_id:
         log.info("the earlier version's checkpoint is from an earlier boot", stale_claims=len(claims))
         return tuple(sorted(claims))
-    from dra_driver.node.store import MutationRejected
-
     for uid, record in sorted(claims.items()):
         try:
             put(db, uid, record)
@@ -95,8 +93,6 @@ def move_aside(directory: Path) -> None:
 
 
 def _read(snapshot: Path) -> tuple[str, dict[str, ClaimRecord]]:
-    from dra_driver.node.store import StoreFromNewerDriver
-
     try:
         document = json.loads(snapshot.read_bytes())
         version, checksum, payload = document["schemaVersion"], document["checksum"], document["payload"]

@@ -31,8 +31,8 @@ import structlog
 from dra_driver import crashpoint
 from dra_driver.devices.backend import Backend, DeviceError, DeviceInUseError, PlacementUnavailableError
 from dra_driver.devices.types import Inventory, MigDevice, OrphanedGpuInstance, Placement
-from dra_driver.node.records import MigRecord
-from dra_driver.node.store import Orphan, Store, StoreWriteError
+from dra_driver.node.records import MigRecord, StoreWriteError
+from dra_driver.node.store import Orphan, Store
 
 log = structlog.get_logger(__name__)
 

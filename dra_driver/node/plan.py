@@ -6,7 +6,7 @@ touches nothing, so everything that can be wrong with a claim is found before th
 first side effect; the preparer then only records, creates and writes what the plan says.
 
 A device name resolves to one of three things (names follow
-:mod:`dra_driver.resources.naming`, the rule the published slices use):
+:mod:`dra_driver.resources.device_names`, the rule the published slices use):
 
 * a full GPU, ``gpu-<minor>``: refused while the GPU has MIG devices, because CUDA
   cannot use it whole then;
@@ -123,19 +123,19 @@ from dra_driver.node.config import (
     winning_configs,
 )
 from dra_driver.node.shares import Share, pooled, share_config, share_of
+from dra_driver.resources.device_names import (
+    PASSTHROUGH_PREFIX,
+    gpu_device_name,
+    maintenance_device_name,
+    mig_device_name,
+    passthrough_device_name,
+)
 from dra_driver.resources.devices import (
     PartitionPolicy,
     device_attributes,
     offers_partitions,
     partition_all,
     passthrough_device,
-)
-from dra_driver.resources.naming import (
-    PASSTHROUGH_PREFIX,
-    gpu_device_name,
-    maintenance_device_name,
-    mig_device_name,
-    passthrough_device_name,
 )
 
 ADMIN_ACCESS_ENV_PREFIX = "DRA_GPU_ADMIN_ACCESS_"

@@ -99,10 +99,12 @@ from dra_driver.node.records import (
     ClaimRecord,
     DeviceRecord,
     MigRecord,
+    MutationRejected,
     NodeState,
     PassthroughRecord,
     SharingRecord,
     SharingState,
+    StoreWriteError,
     read_boot_id,
 )
 from dra_driver.node.recovery import Conflict, recover, repair_passthrough
@@ -111,18 +113,16 @@ from dra_driver.node.sharing.mps import MpsDaemonError, MpsDaemons
 from dra_driver.node.sharing.policy import NO_SHARING, SharingPlan, sharing_plan
 from dra_driver.node.store import (
     Complete,
-    MutationRejected,
     Progress,
     Release,
     Reserve,
     Store,
-    StoreWriteError,
     open_store,
 )
 from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice, PrepareOutcome
 from dra_driver.resources.capacity import MEMORY
+from dra_driver.resources.device_names import gpu_device_name
 from dra_driver.resources.devices import PartitionPolicy, partition_all
-from dra_driver.resources.naming import gpu_device_name
 
 log = structlog.get_logger(__name__)
 

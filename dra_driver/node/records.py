@@ -15,6 +15,23 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+
+class MutationRejected(Exception):
+    """The change contradicts the store; the message is for the user, ``holder`` the claim in the way."""
+
+    def __init__(self, message: str, holder: str | None = None) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+
+class StoreWriteError(Exception):
+    """The store could not be written (disk full, I/O error); the change did not happen."""
+
+
+class StoreFromNewerDriver(Exception):
+    """The store was written by a newer schema: this driver must neither believe nor replace it."""
+
+
 Phase = Literal["PrepareStarted", "PrepareCompleted", "Recovered"]
 """PrepareStarted: devices reserved, side effects (MIG devices, CDI spec) may be
 half done. PrepareCompleted: everything done; a repeated prepare returns it as is.

@@ -77,8 +77,8 @@ from dra_driver.cdi.store import SpecStore
 from dra_driver.devices.pci import NVIDIA, VFIO_PCI, PciBus, PciError
 from dra_driver.devices.types import MigDevice
 from dra_driver.node.plan import admin_access_env, mig_created_env, passthrough_env_name
-from dra_driver.node.records import ClaimRecord, DeviceRecord, MigRecord, PassthroughRecord
-from dra_driver.node.store import MutationRejected, Opened, Progress, Reserve, Store
+from dra_driver.node.records import ClaimRecord, DeviceRecord, MigRecord, MutationRejected, PassthroughRecord
+from dra_driver.node.store import Opened, Progress, Reserve, Store
 
 log = structlog.get_logger(__name__)
 

@@ -45,7 +45,7 @@ from dra_driver.node.api_base import quantity_bytes
 from dra_driver.node.claims import AllocationResult, ClaimRejected
 from dra_driver.node.config import GpuConfig, GpuSharing, Mps
 from dra_driver.resources.capacity import MEMORY, MULTIPROCESSORS, policy_problems, share_policy
-from dra_driver.resources.naming import gpu_device_name
+from dra_driver.resources.device_names import gpu_device_name
 
 
 @dataclass(frozen=True)

@@ -79,14 +79,17 @@ from dra_driver.node.records import (
     DeviceRecord,
     GpuPolicyRecord,
     MigRecord,
+    MutationRejected,
     NodeState,
     Phase,
     SharingRecord,
     SharingState,
+    StoreFromNewerDriver,
+    StoreWriteError,
     describe,
     named,
 )
-from dra_driver.resources.naming import PASSTHROUGH_PREFIX
+from dra_driver.resources.device_names import PASSTHROUGH_PREFIX
 
 log = structlog.get_logger(__name__)
 
@@ -145,22 +148,6 @@ Orphan = tuple[str, int, int, int]  # an orphaned GPU instance: GPU uuid, profil
 
 _MIG_NAME = re.compile(r"(gpu-\d+)-mig-.+-(\d+)")
 _GPU_NAME = re.compile(r"(gpu-\d+)(?:-maintenance)?")
-
-
-class MutationRejected(Exception):
-    """The change contradicts the store; the message is for the user, ``holder`` the claim in the way."""
-
-    def __init__(self, message: str, holder: str | None = None) -> None:
-        super().__init__(message)
-        self.holder = holder
-
-
-class StoreWriteError(Exception):
-    """The store could not be written (disk full, I/O error); the change did not happen."""
-
-
-class StoreFromNewerDriver(Exception):
-    """The store was written by a newer schema: this driver must neither believe nor replace it."""
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ from dra_driver.devices.pci import PassthroughGpu
 from dra_driver.devices.topology import nvlink_islands
 from dra_driver.devices.types import FabricState, Gpu, Inventory, MigDevice, MigProfile, Placement
 from dra_driver.resources.capacity import consumable_capacity, share_policy
-from dra_driver.resources.naming import (
+from dra_driver.resources.device_names import (
     counter_set_name,
     gpu_device_name,
     maintenance_device_name,

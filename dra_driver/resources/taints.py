@@ -32,7 +32,7 @@ from enum import StrEnum
 
 from dra_driver.devices.faults import GPU_LOST_XIDS, Fault, FaultKind, NodeFaults, carry_over
 from dra_driver.devices.types import Gpu, HealthState, Inventory
-from dra_driver.resources.naming import gpu_device_name, mig_device_name
+from dra_driver.resources.device_names import gpu_device_name, mig_device_name
 from dra_driver.resources.wire import DeviceTaint
 
 TAINTS_PER_DEVICE_MAX = 16  # API limit

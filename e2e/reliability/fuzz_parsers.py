@@ -33,7 +33,8 @@ from dra_driver.node.claims import ClaimRejected, ConfigSource, OpaqueConfig, al
 from dra_driver.node.config import API_VERSION, ConfigError, decode_config
 from dra_driver.node.legacy import canonical_json
 from dra_driver.node.plan import plan_claim
-from dra_driver.node.store import STORE_FILE, StoreFromNewerDriver, open_store
+from dra_driver.node.records import StoreFromNewerDriver
+from dra_driver.node.store import STORE_FILE, open_store
 from dra_driver.node.types import ClaimRef
 from dra_driver.simulated.gpus import SimulatedBackend
 

@@ -24,8 +24,15 @@ from dra_driver.devices.types import Inventory, MigDevice, Placement
 from dra_driver.gpu_plugin.policies import desired_slices
 from dra_driver.node.config import API_VERSION
 from dra_driver.node.preparer import NodePreparer
-from dra_driver.node.records import ClaimRecord, DeviceRecord, MigRecord, Phase
-from dra_driver.node.store import MutationRejected, Progress, Reserve, Store, StoreWriteError, open_store
+from dra_driver.node.records import (
+    ClaimRecord,
+    DeviceRecord,
+    MigRecord,
+    MutationRejected,
+    Phase,
+    StoreWriteError,
+)
+from dra_driver.node.store import Progress, Reserve, Store, open_store
 from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice
 from dra_driver.resources.devices import partition_selected
 from dra_driver.settings import Settings

@@ -11,7 +11,7 @@ from dra_driver.cdi.spec import common_edits
 from dra_driver.devices.types import Inventory
 from dra_driver.node.claims import AllocatedClaim, ClaimRejected, allocated_claim
 from dra_driver.node.plan import ClaimPlan, plan_claim
-from dra_driver.resources.naming import mig_device_name
+from dra_driver.resources.device_names import mig_device_name
 
 from .builders import DRIVER, NODE, Node, claim_json, gpu_config, new_ref, opaque, result
 

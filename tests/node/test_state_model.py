@@ -98,7 +98,7 @@ from dra_driver.node.preparer import NodePreparer
 from dra_driver.node.records import read_boot_id
 from dra_driver.node.store import Store, open_store
 from dra_driver.node.types import ClaimError, ClaimRef, PreparedDevice
-from dra_driver.resources.naming import mig_device_name
+from dra_driver.resources.device_names import mig_device_name
 from dra_driver.simulated.mps_daemons import LocalMpsDaemons
 from tests.computedomain.test_node import CLIQUE, NAMES, FakeDomains, domain
 

@@ -41,7 +41,7 @@ from dra_driver.devices.nvml import NvmlBackend
 from dra_driver.devices.pci import PciBus
 from dra_driver.devices.types import Inventory
 from dra_driver.node.preparer import NodePreparer
-from dra_driver.resources.naming import mig_device_name
+from dra_driver.resources.device_names import mig_device_name
 from dra_driver.simulated.mps_daemons import LocalMpsDaemons
 from tests.mock_nvml import MockNvml, install_driver_root, install_gpu_tree, install_procfs
 

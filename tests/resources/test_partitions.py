@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dra_driver.devices.types import Gpu, MigDevice, MigProfile, Placement
+from dra_driver.resources.device_names import mig_device_name
 from dra_driver.resources.devices import build_devices
-from dra_driver.resources.naming import mig_device_name
 from dra_driver.resources.partitions import gpu_totals, partition_budget
 from dra_driver.resources.wire import CounterSet, Device
 

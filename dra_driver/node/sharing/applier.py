@@ -47,7 +47,7 @@ from dra_driver.node.sharing.policy import (
     previous_policy,
     shared_daemon_id,
 )
-from dra_driver.resources.naming import gpu_device_name
+from dra_driver.resources.device_names import gpu_device_name
 
 log = structlog.get_logger(__name__)
 

@@ -42,7 +42,7 @@ from dra_driver.node.config import GpuSharing
 from dra_driver.node.plan import ClaimPlan, PlannedDevice
 from dra_driver.node.records import GpuPolicyRecord, SharingState
 from dra_driver.node.sharing.mps import MpsDaemonSpec, MpsDevice, daemon_id
-from dra_driver.resources.naming import gpu_device_name
+from dra_driver.resources.device_names import gpu_device_name
 
 MPS_MINIMUM_CAPABILITY = (7, 0)  # Volta: MPS with per-client thread and memory limits
 

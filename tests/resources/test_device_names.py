@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dra_driver.names import is_dns_label
-from dra_driver.resources.naming import (
+from dra_driver.resources.device_names import (
     counter_set_name,
     gpu_device_name,
     memory_slice_counter,
