@@ -11,7 +11,7 @@ like every other problem with a claim.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -121,59 +121,46 @@ def _v1beta1_device(device: PreparedDevice) -> v1beta1.Device:
     )
 
 
-class DraV1Servicer(v1_grpc.DRAPluginServicer):
-    """``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin``, called by kubelets 1.34 and newer."""
+class _DraServicer:
+    """The DRAPlugin service of either API version. Their messages differ only in their module and
+    in v1's share id, so one implementation serves both; ``messages`` is the version's module and
+    ``device`` builds its Device message."""
 
-    def __init__(self, preparer: ClaimPreparer) -> None:
+    def __init__(
+        self, preparer: ClaimPreparer, messages: Any, device: Callable[[PreparedDevice], Any]
+    ) -> None:
         self._preparer = preparer
+        self._messages = messages
+        self._device = device
 
-    async def NodePrepareResources(
-        self, request: v1.NodePrepareResourcesRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> v1.NodePrepareResourcesResponse:
+    async def NodePrepareResources(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         outcomes = await _prepare_claims(self._preparer, _claim_refs(request.claims))
-        response = v1.NodePrepareResourcesResponse()
+        response = self._messages.NodePrepareResourcesResponse()
         for uid, outcome in outcomes.items():
             entry = response.claims[uid]  # creates the entry, also for a claim without devices
             if isinstance(outcome, ClaimError):
                 entry.error = _error_text(outcome)
             else:
-                entry.devices.extend(_v1_device(d) for d in outcome)
+                entry.devices.extend(self._device(d) for d in outcome)
         return response
 
-    async def NodeUnprepareResources(
-        self, request: v1.NodeUnprepareResourcesRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> v1.NodeUnprepareResourcesResponse:
+    async def NodeUnprepareResources(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         outcomes = await _unprepare_claims(self._preparer, _claim_refs(request.claims))
-        response = v1.NodeUnprepareResourcesResponse()
+        response = self._messages.NodeUnprepareResourcesResponse()
         for uid, error in outcomes.items():
             response.claims[uid].error = "" if error is None else _error_text(error)
         return response
 
 
-class DraV1Beta1Servicer(v1beta1_grpc.DRAPluginServicer):
+class DraV1Servicer(_DraServicer, v1_grpc.DRAPluginServicer):
+    """``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin``, called by kubelets 1.34 and newer."""
+
+    def __init__(self, preparer: ClaimPreparer) -> None:
+        super().__init__(preparer, v1, _v1_device)
+
+
+class DraV1Beta1Servicer(_DraServicer, v1beta1_grpc.DRAPluginServicer):
     """``k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin``, for kubelets that do not speak v1."""
 
     def __init__(self, preparer: ClaimPreparer) -> None:
-        self._preparer = preparer
-
-    async def NodePrepareResources(
-        self, request: v1beta1.NodePrepareResourcesRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> v1beta1.NodePrepareResourcesResponse:
-        outcomes = await _prepare_claims(self._preparer, _claim_refs(request.claims))
-        response = v1beta1.NodePrepareResourcesResponse()
-        for uid, outcome in outcomes.items():
-            entry = response.claims[uid]
-            if isinstance(outcome, ClaimError):
-                entry.error = _error_text(outcome)
-            else:
-                entry.devices.extend(_v1beta1_device(d) for d in outcome)
-        return response
-
-    async def NodeUnprepareResources(
-        self, request: v1beta1.NodeUnprepareResourcesRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> v1beta1.NodeUnprepareResourcesResponse:
-        outcomes = await _unprepare_claims(self._preparer, _claim_refs(request.claims))
-        response = v1beta1.NodeUnprepareResourcesResponse()
-        for uid, error in outcomes.items():
-            response.claims[uid].error = "" if error is None else _error_text(error)
-        return response
+        super().__init__(preparer, v1beta1, _v1beta1_device)
