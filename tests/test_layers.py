@@ -13,6 +13,7 @@ A new module must be placed in :data:`LAYERS`; a new stand-in goes in :data:`STA
 from __future__ import annotations
 
 import ast
+import re
 import textwrap
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -319,6 +320,24 @@ def test_no_simulated_thing_is_defined_outside_the_stand_in_package() -> None:
         if isinstance(node, ast.ClassDef) and node.name.startswith("Simulated")
     ]
     assert outside == []
+
+
+def test_the_readme_draws_the_package_as_it_is() -> None:
+    """README's "How it is built" names every folder and top-level module of the package, and no other."""
+    readme = (PACKAGE.parent / "README.md").read_text()
+    section = readme.split("## How it is built", 1)[1]
+    tree = section.split("```", 2)[1].split("\ne2e/", 1)[0]
+    drawn = set(re.findall(r"^  (?:(\w+)/|((?:\w+\.py ?)+)$)", tree, flags=re.M))
+    named = {folder for folder, _ in drawn if folder} | {
+        module.removesuffix(".py") for _, line in drawn for module in line.split()
+    }
+    actual = {
+        path.stem if path.is_file() else path.name
+        for path in PACKAGE.iterdir()
+        if (path.is_dir() and any(path.glob("*.py"))) or (path.suffix == ".py" and path.stem != "__init__")
+    }
+    assert named == actual
+    assert len([path for path in PACKAGE.glob("*.py") if path.stem != "__init__"]) <= 8
 
 
 # --- the checker, on a planted tree ---------------------------------------------------------------

@@ -8,4 +8,8 @@ lists every place real code can reach a stand-in (tests/test_layers.py keeps tha
 - :mod:`.sysfs`: a sysfs tree and kernel for passthrough (vfio-pci binding);
 - :mod:`.mps_daemons` and :mod:`.mps_control`: MPS control daemons as local processes;
 - :mod:`.imex_daemon`: the IMEX daemon of a ComputeDomain.
+
+The NVML backend's stand-in is not here: it is a mock ``libnvidia-ml.so.1`` (and its ``nvidia-smi``)
+built from NVIDIA's header by hack/build-mock-nvml.sh, loaded as NVML is on a host, so that the
+backend under test is the real one.
 """
