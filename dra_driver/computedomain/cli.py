@@ -110,8 +110,8 @@ def _setup(args: argparse.Namespace) -> None:
 
 def _controller(args: argparse.Namespace) -> int:
     from dra_driver.apiserver.rest import JsonApi
-    from dra_driver.computedomain.controller import ComputeDomainController
-    from dra_driver.computedomain.leader import LeaderElector, LeaseConfig
+    from dra_driver.computedomain.controller.leader import LeaderElector, LeaseConfig
+    from dra_driver.computedomain.controller.reconciler import ComputeDomainController
 
     _setup(args)
     if not args.namespace:
@@ -192,7 +192,7 @@ def _daemon(args: argparse.Namespace) -> int:
 
 
 def _run(main: Any) -> int:
-    from dra_driver.computedomain.leader import LostLease
+    from dra_driver.computedomain.controller.leader import LostLease
 
     try:
         asyncio.run(main)

@@ -35,7 +35,7 @@ import yaml
 from kubernetes.aio.client import ApiClient, Configuration
 
 from dra_driver.computedomain.api import Names, parse_compute_domain
-from dra_driver.computedomain.objects import channel_template, daemon_object_name, daemon_set
+from dra_driver.computedomain.controller.objects import channel_template, daemon_object_name, daemon_set
 from dra_driver.node.binding import WaitingDevice, condition_entries
 from dra_driver.node.claim_status import ApiServerClaimStatus
 from dra_driver.node.sharing.mps import MpsDaemonSpec, MpsDevice, MpsPaths
@@ -1460,7 +1460,7 @@ def controls(setup: Setup) -> list[Control]:
         ]
         daemon.request("PUT", f"{collection}/{uid}.own", stored)
         # The controller then prunes it (the node left the domain): removal only. It lists (RBAC
-        # grants it no get) and replaces, as dra_driver/computedomain/controller.py does.
+        # grants it no get) and replaces, as dra_driver/computedomain/controller/reconciler.py does.
         listed = controller.request("GET", collection, query={"labelSelector": f"{NAMES.clique_label}=own"})
         (stored,) = listed["items"]
         stored["daemons"] = []

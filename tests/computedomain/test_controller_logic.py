@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 
 from dra_driver.computedomain.api import DomainStatus, InvalidComputeDomain, Names, parse_compute_domain
-from dra_driver.computedomain.node import compute_domain_slices
-from dra_driver.computedomain.objects import (
+from dra_driver.computedomain.controller.objects import (
     Fabric,
     Placement,
     channel_template,
@@ -22,7 +21,8 @@ from dra_driver.computedomain.objects import (
     merge_conditions,
     overall_status,
 )
-from dra_driver.computedomain.workqueue import WorkQueue
+from dra_driver.computedomain.controller.workqueue import WorkQueue
+from dra_driver.computedomain.node import compute_domain_slices
 
 NAMES = Names("gpu.nvidia.com")
 

@@ -17,7 +17,7 @@ import pytest
 
 from dra_driver.cdi.store import SpecStore
 from dra_driver.computedomain.api import ChannelAllocationMode, daemon_config
-from dra_driver.computedomain.controller import ComputeDomainController
+from dra_driver.computedomain.controller.reconciler import ComputeDomainController
 from dra_driver.computedomain.node import ComputeDomainPreparer, compute_domain_slices
 from dra_driver.devices.host_imex import IMEX_CTL, NvidiaImexCtl, judge
 from dra_driver.node.store import STORE_FILE, open_store

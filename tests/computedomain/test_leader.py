@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from dra_driver.apiserver.rest import ApiError
-from dra_driver.computedomain.leader import LeaderElector, LeaseConfig, LostLease
+from dra_driver.computedomain.controller.leader import LeaderElector, LeaseConfig, LostLease
 
 PATH = "/apis/coordination.k8s.io/v1/namespaces/ns/leases/cd"
 

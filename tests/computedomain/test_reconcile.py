@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from dra_driver.apiserver.rest import ApiError
-from dra_driver.computedomain.controller import ComputeDomainController
+from dra_driver.computedomain.controller.reconciler import ComputeDomainController
 from dra_driver.computedomain.node import compute_domain_slices
 from tests.computedomain.fake_api import FakeApi
 

@@ -5,7 +5,7 @@ ComputeDomains and on what they own turn every change into the key ``namespace/n
 a rate-limited work queue; workers reconcile one key at a time, each from a fresh read, so a missed
 or duplicated event costs nothing and a failing key is retried with exponential backoff.
 
-Reconciling a domain (see :mod:`dra_driver.computedomain.objects` for the objects):
+Reconciling a domain (see :mod:`dra_driver.computedomain.controller.objects` for the objects):
 
 1. add the finalizer, so deletion waits for the clean-up below;
 2. pick an NVLink clique with room for ``numNodes`` nodes (once: the channel template pins it), or
@@ -29,7 +29,7 @@ channel), then deletes the DaemonSet, the daemon template and the cliques and re
 finalizer.
 
 Only one replica reconciles at a time: the command runs the controller under a Lease
-(:mod:`dra_driver.computedomain.leader`).
+(:mod:`dra_driver.computedomain.controller.leader`).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from dra_driver.computedomain.api import (
     daemon_failures_message,
     parse_compute_domain,
 )
-from dra_driver.computedomain.objects import (
+from dra_driver.computedomain.controller.objects import (
     Placement,
     channel_template,
     choose_clique,
@@ -73,7 +73,7 @@ from dra_driver.computedomain.objects import (
     overall_status,
     pruned_daemons,
 )
-from dra_driver.computedomain.workqueue import WorkQueue
+from dra_driver.computedomain.controller.workqueue import WorkQueue
 
 log = structlog.get_logger(__name__)
 
