@@ -7,7 +7,7 @@ node. What only some nodes use is imported only there: ComputeDomains behind the
 status server and its metrics behind an HTTP address.
 
 In the order it runs: :func:`serve_node` opens what must be closed again (the API client, the
-status server, the GPU backend: :class:`Started`); :class:`GpuNode` builds the node's parts from
+status server, the GPU backend: :class:`Opened`); :class:`GpuNode` builds the node's parts from
 the decisions of :mod:`.policies` and the watches of :mod:`.watches`; :func:`_serve` starts them,
 adds the ComputeDomains plugin and the binding-condition watch, and runs until stopped.
 """
@@ -188,7 +188,7 @@ def compute_domain_plugin(
 
 
 @dataclass(frozen=True)
-class Started:
+class Opened:
     """What :func:`serve_node` opened before the node's parts are built, closed by it afterwards."""
 
     settings: Settings
@@ -210,17 +210,17 @@ class GpuNode:
 
     def __init__(
         self,
-        start: Started,
+        opened: Opened,
         rules: ServerRules,
         node_uid: str | None,
         passthrough: Mapping[str, PassthroughGpu] | None,
     ) -> None:
-        settings, api = start.settings, start.api
+        settings, api = opened.settings, opened.api
         self._settings = settings
         self._rules = rules
         self._passthrough = passthrough
-        self._health_board = start.kubelet.health
-        self._metrics = start.metrics
+        self._health_board = opened.kubelet.health
+        self._metrics = opened.metrics
         self._node_uid = node_uid
         self._api = api
         self.policy = taint_policy(settings)
@@ -229,11 +229,11 @@ class GpuNode:
         )
         self.labeller = NodeLabeller(api, settings.node_name) if settings.node_labels else None
         self.inventory = InventoryWatch(
-            start.backend, start.inventory, self.publish, settings.inventory_refresh_seconds
+            opened.backend, opened.inventory, self.publish, settings.inventory_refresh_seconds
         )
         self.health = HealthWatch(
             open_health_source(
-                start.backend,
+                opened.backend,
                 ignored_xids=xid_numbers(settings.ignored_xids),
                 poll_seconds=settings.health_poll_seconds,
             ),
@@ -251,17 +251,17 @@ class GpuNode:
         self.preparer = NodePreparer(
             driver_name=settings.driver_name,
             node_name=settings.node_name,
-            backend=start.backend,
+            backend=opened.backend,
             inventory=lambda: self.inventory.current,
             claims=ApiServerClaimFetcher(api),
             specs=SpecStore(settings.cdi_dir, settings.driver_name),
-            common_edits=edits_for(settings, start.inventory),
+            common_edits=edits_for(settings, opened.inventory),
             store_path=settings.state_dir / STORE_FILE,
             boot_id_path=settings.boot_id_file,
             partition=partition_policy(settings.mig_partitions, settings.driver_name),
             consumable=settings.consumable_capacity,
             on_inventory_changed=self.inventory.deliver,  # MIG devices created or destroyed: publish now
-            observer=start.metrics,
+            observer=opened.metrics,
             on_prepared=self.claim_status.prepared,
             on_unprepared=self.claim_status.unprepared,
             on_idle=lambda: self.trimmer.idle(),
@@ -354,25 +354,26 @@ async def _until_stopped(stop: asyncio.Event, tasks: list[asyncio.Task[None]]) -
             task.result()  # re-raise what killed it
 
 
-async def _serve(start: Started, stop: asyncio.Event, started: float) -> None:
-    settings, api = start.settings, start.api
+async def _serve(opened: Opened, stop: asyncio.Event, started: float) -> None:
+    """Build and start the node's parts, let the held claim calls go on, serve until ``stop``."""
+    settings, api = opened.settings, opened.api
     own_node_uid = await node_uid(api, settings.node_name)
     rules = await server_rules(api)
     check_taint_effects(settings, rules)
     # Which GPUs can be passed through, and their indexes: fixed until a reboot, so read once.
     passthrough = (
-        await asyncio.to_thread(start.backend.pci().passthrough_gpus) if settings.passthrough else None
+        await asyncio.to_thread(opened.backend.pci().passthrough_gpus) if settings.passthrough else None
     )
-    node = GpuNode(start, rules, own_node_uid, passthrough)
+    node = GpuNode(opened, rules, own_node_uid, passthrough)
     await node.start()
-    plugin = start.kubelet.plugin
-    start.kubelet.claims.ready(node.preparer)  # the claim calls held since the sockets opened go on now
+    plugin = opened.kubelet.plugin
+    opened.kubelet.claims.ready(node.preparer)  # the claim calls held since the sockets opened go on now
 
     # The second driver, compute-domain.<domain>, on nodes of a multi-node NVLink clique.
-    compute_domains = compute_domain_plugin(settings, api, start.inventory, own_node_uid, rules)
+    compute_domains = compute_domain_plugin(settings, api, opened.inventory, own_node_uid, rules)
     binding: BindingWatch | None = None
-    if start.status is not None:
-        start.status.readiness = readiness(start.kubelet, node, compute_domains)
+    if opened.status is not None:
+        opened.status.readiness = readiness(opened.kubelet, node, compute_domains)
     tasks: list[asyncio.Task[None]] = []
     try:
         serving_domains = compute_domains is not None and await compute_domains.start()
@@ -383,7 +384,7 @@ async def _serve(start: Started, stop: asyncio.Event, started: float) -> None:
             "serving the kubelet",
             dra_socket=str(plugin.dra_socket),
             registration_socket=str(plugin.registration_socket),
-            http_port=start.status.port if start.status else None,
+            http_port=opened.status.port if opened.status else None,
             startup_seconds=round(time.monotonic() - started, 3),
         )
         tuning.serving(node.trimmer)
@@ -453,4 +454,4 @@ async def serve_node(settings: Settings, kubelet: KubeletFront, stop: asyncio.Ev
             gpus=len(inventory.gpus),
             driver_version=inventory.driver_version,
         )
-        await _serve(Started(settings, kubelet, backend, inventory, api, metrics, status), stop, started)
+        await _serve(Opened(settings, kubelet, backend, inventory, api, metrics, status), stop, started)
