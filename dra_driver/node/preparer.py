@@ -907,7 +907,7 @@ async def _together(runs: Sequence[Coroutine[Any, Any, _T]]) -> Sequence[_T]:
     """The outcomes of ``runs``, run concurrently (:meth:`NodePreparer._run` never raises).
 
     A pod of one claim, the usual call, is awaited as it is: ``gather`` would wrap it in one more
-    task (about 12 µs of CPU per call), and the claim's work already runs in a task of its own,
+    task (its cost: docs/performance.md), and the claim's work already runs in a task of its own,
     shielded from the call's cancellation (``_run``).
     """
     if len(runs) == 1:
