@@ -36,10 +36,10 @@ from bench.report import (
     table,
 )
 from bench.stats import Latency
-from dra_driver.gpu_plugin.app import api_client
+from dra_driver.apiserver.connect import api_client
 from dra_driver.node.claim_fetcher import ApiServerClaimFetcher
 from dra_driver.node.types import ClaimRef
-from dra_driver.settings import DEFAULT_DRIVER_NAME, Settings
+from dra_driver.settings import DEFAULT_DRIVER_NAME
 from e2e.cluster import ClusterInfo, ControlPlane, create_fake_node, ensure_control_plane_binaries
 
 NODE = "bench-node"
@@ -218,7 +218,7 @@ def create_claims(factory: AllocatedClaims, prefix: str = "bench") -> Claims:
 
 
 async def _load(dra_socket: Path, kubeconfig: Path, claims: Claims, daemon: Daemon) -> LoadResults:
-    api = await api_client(Settings(kubeconfig=kubeconfig))
+    api = await api_client(kubeconfig)
     fetcher = ApiServerClaimFetcher(api)
     kubelet = DraClient(dra_socket)
     try:

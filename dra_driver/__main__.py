@@ -1,12 +1,13 @@
 """``python -m dra_driver`` and the ``dra-driver`` console script."""
 
+import gc
+
 
 def main() -> int:
-    # The first knob of the start-up policy (dra_driver.gpu_plugin.tuning): no cyclic collection
-    # while the commands' modules are imported.
-    from dra_driver.gpu_plugin.tuning import collector_off_for_imports
-
-    collector_off_for_imports()
+    # Knob 1 of the start-up policy (dra_driver.gpu_plugin.tuning): no cyclic collection while the
+    # commands' modules are imported. Here, before any import of ours: the policy's own module
+    # imports asyncio, which would be collected already.
+    gc.disable()
     from dra_driver.cli import main as run_command
 
     return run_command()

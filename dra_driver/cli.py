@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -37,7 +38,6 @@ from dra_driver.computedomain.cli import add_commands as add_compute_domain_comm
 from dra_driver.devices.backend import DeviceError
 from dra_driver.devices.types import Gpu
 from dra_driver.errors import EXIT_FAILURE, EXIT_USAGE, StartupError
-from dra_driver.gpu_plugin import tuning
 from dra_driver.gpu_plugin.startup import check_mig_partitions
 from dra_driver.kubelet.sockets import KubeletSocketError
 from dra_driver.log import configure, crash_line, error_line, wants_json
@@ -103,7 +103,9 @@ def _run(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command != "kubelet-plugin":
-        tuning.collector_on()  # off for the imports (dra_driver.__main__); the daemon's: once it serves
+        # Off for the imports (dra_driver.__main__); the daemon turns it on once it serves. Knob 1 of
+        # the start-up policy, dra_driver.gpu_plugin.tuning.
+        gc.enable()
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
@@ -289,9 +291,9 @@ async def _webhook_api_client(settings: Settings) -> ApiClient | None:
     if settings.kubeconfig is None and "KUBERNETES_SERVICE_HOST" not in os.environ:
         log.warning("no --kubeconfig and not in a pod: capacity requests are not checked")
         return None
-    from dra_driver.gpu_plugin.app import api_client
+    from dra_driver.apiserver.connect import api_client
 
-    return await api_client(settings)
+    return await api_client(settings.kubeconfig)
 
 
 def _inventory(args: argparse.Namespace) -> int:
@@ -404,10 +406,6 @@ def _apply_simulation(backend: SimulatedBackend, args: argparse.Namespace, gpu: 
         backend.set_host_imex(args.state)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
 # --- Settings as flags: a flag and its env var never drift apart ---------------------------------
 
 
@@ -483,3 +481,7 @@ def requested_log_format(argv: Sequence[str], environ: Mapping[str, str] = os.en
         return LogFormat(value)
     except ValueError:
         return LogFormat.AUTO
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -135,6 +135,7 @@ AFTER_THE_SOCKETS = [
     "pynvml",
     "dra_driver.gpu_plugin.app",
     "dra_driver.gpu_plugin.watches",
+    "dra_driver.gpu_plugin.policies",
     "dra_driver.apiserver.kube",
 ]
 

@@ -16,8 +16,8 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dra_driver.apiserver.connect import load_configuration
 from dra_driver.errors import EXIT_USAGE, StartupError
-from dra_driver.gpu_plugin.startup import load_kube_configuration
 from dra_driver.log import configure
 from dra_driver.settings import DEFAULT_DRIVER_NAME, ENV_PREFIX, LogFormat
 
@@ -97,7 +97,7 @@ async def _api(kubeconfig: str) -> kube.ApiClient:
     from dra_driver.apiserver import kube
 
     configuration = kube.Configuration()
-    await load_kube_configuration(Path(kubeconfig) if kubeconfig else None, configuration)
+    await load_configuration(Path(kubeconfig) if kubeconfig else None, configuration)
     return kube.ApiClient(configuration)
 
 

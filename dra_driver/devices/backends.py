@@ -2,8 +2,9 @@
 
 Every real module that can run on a simulated node gets its hardware here: the GPU backend, the
 health source that goes with it, and the host's IMEX daemon check. ``--simulate`` decides. Beside
-this switch only the MPS daemons' (a program's choice, above this layer) and the simulator's own
-commands import :mod:`dra_driver.simulated`; tests/test_layers.py holds the list.
+this switch, only these import :mod:`dra_driver.simulated` (tests/test_layers.py holds the list):
+the plugin's choice of MPS daemons (above this layer), the check of ``--simulate``'s node profile in
+the settings, and the simulator's own commands (``simulate``, ``compute-domain-daemon``).
 """
 
 from __future__ import annotations

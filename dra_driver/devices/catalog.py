@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-from dra_driver.devices.naming import (
+from dra_driver.devices.nvidia_names import (
     ARCHITECTURE_NAMES,
     BRAND_NAMES,
     PCI_VENDOR_NVIDIA,

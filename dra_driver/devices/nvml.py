@@ -50,7 +50,8 @@ from dra_driver.devices.backend import DeviceError, DeviceInUseError, PlacementU
 from dra_driver.devices.catalog import load_catalog
 from dra_driver.devices.driver_root import LIBRARY_DIRS, find_in
 from dra_driver.devices.fabric import fabric_from_nvml
-from dra_driver.devices.naming import (
+from dra_driver.devices.nvcaps import caps_major, ensure_node, read_capability
+from dra_driver.devices.nvidia_names import (
     ARCHITECTURE_HOPPER,
     GPU_INSTANCE_PROFILE_COUNT,
     architecture_name,
@@ -59,7 +60,6 @@ from dra_driver.devices.naming import (
     normalize_pci_bus_id,
     split_pci_device_id,
 )
-from dra_driver.devices.nvcaps import caps_major, ensure_node, read_capability
 from dra_driver.devices.nvml_calls import NvmlCalls
 from dra_driver.devices.nvml_policy import NvmlComputePolicy
 from dra_driver.devices.pci import PciBus, Write

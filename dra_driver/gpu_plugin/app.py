@@ -7,7 +7,7 @@ node. What only some nodes use is imported only there: ComputeDomains behind the
 status server and its metrics behind an HTTP address.
 
 In the order it runs: :func:`serve_node` opens what must be closed again (the API client, the
-status server, the GPU backend: :class:`Opened`); :class:`GpuNode` builds the node's parts from
+status server, the GPU backend: :class:`Handles`); :class:`GpuNode` builds the node's parts from
 the decisions of :mod:`.policies` and the watches of :mod:`.watches`; :func:`_serve` starts them,
 adds the ComputeDomains plugin and the binding-condition watch, and runs until stopped.
 """
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from dra_driver.apiserver import kube
+from dra_driver.apiserver.connect import api_client
 from dra_driver.apiserver.rest import JsonApi
 from dra_driver.cdi.metadata import MetadataFiles
 from dra_driver.cdi.store import SpecStore
@@ -43,7 +43,7 @@ from dra_driver.gpu_plugin.policies import (
     partition_policy,
     taint_policy,
 )
-from dra_driver.gpu_plugin.startup import check_mig_partitions, load_kube_configuration, start_status_server
+from dra_driver.gpu_plugin.startup import check_mig_partitions, start_status_server
 from dra_driver.gpu_plugin.tuning import HeapTrimmer
 from dra_driver.gpu_plugin.watches import BindingWatch, HealthWatch, InventoryWatch, binding_watch
 from dra_driver.labels.labeller import NodeLabeller
@@ -56,16 +56,8 @@ from dra_driver.node.sharing.mps_deployment import DeploymentMpsDaemons
 from dra_driver.node.store import STORE_FILE
 from dra_driver.resources.publisher import SlicePublisher
 from dra_driver.resources.server_rules import NEWEST, ServerRules, rules_for
-from dra_driver.resources.taints import (
-    DeviceHealth,
-    device_health,
-    device_taints,
-)
-from dra_driver.settings import (
-    Settings,
-    shm_size_bytes,
-    xid_numbers,
-)
+from dra_driver.resources.taints import DeviceHealth, device_health, device_taints
+from dra_driver.settings import Settings, shm_size_bytes, xid_numbers
 from dra_driver.simulated.mps_daemons import LocalMpsDaemons
 
 if TYPE_CHECKING:  # only for the annotations: dra_driver.apiserver.kube imports the client's machinery
@@ -95,22 +87,6 @@ async def server_rules(api: ApiClient) -> ServerRules:
         return NEWEST
     log.info("API server version", version=git_version)
     return rules_for(git_version)
-
-
-# HTTP/1.1 connections to the API server at most (the client's default is 100). A burst of 200
-# prepares opened one per claim GET in flight: a TLS handshake each, on both sides of a busy
-# node, and their buffers kept afterwards. A GET takes a few ms, so 16 connections carry
-# thousands a second, and leave room for the long-lived watches (slices, ComputeDomains).
-API_CONNECTIONS = 16
-
-
-async def api_client(settings: Settings) -> ApiClient:
-    """A client of the API server: from the kubeconfig if one is set, else the pod's service account."""
-    configuration = kube.Configuration()
-    await load_kube_configuration(settings.kubeconfig, configuration)
-    kube.resolve_environment_once(configuration)
-    configuration.connection_pool_maxsize = API_CONNECTIONS
-    return kube.ApiClient(configuration)
 
 
 async def node_uid(api: ApiClient, node_name: str) -> str | None:
@@ -188,8 +164,9 @@ def compute_domain_plugin(
 
 
 @dataclass(frozen=True)
-class Opened:
-    """What :func:`serve_node` opened before the node's parts are built, closed by it afterwards."""
+class Handles:
+    """What :func:`serve_node` opened before the node's parts are built (the API client, the status
+    server, the GPU backend), and closes after them; with the settings and the kubelet's front."""
 
     settings: Settings
     kubelet: KubeletFront
@@ -204,64 +181,65 @@ class GpuNode:
     """The GPU driver's parts on this node, built in the order they need each other.
 
     The inventory watch, the health watch and the preparer feed one another (a MIG prepare changes
-    the inventory, a fault changes the slices, both change what is published): each is given a
-    method of this object as its callback, so every part exists before any callback runs.
+    the inventory, a fault changes the slices, both change what is published): each gets a method
+    of this object, or a lambda over its attributes, as its callback. None is called while the
+    parts are built, only from :meth:`start` on, when every part exists.
     """
 
     def __init__(
         self,
-        opened: Opened,
+        handles: Handles,
         rules: ServerRules,
         node_uid: str | None,
         passthrough: Mapping[str, PassthroughGpu] | None,
     ) -> None:
-        settings, api = opened.settings, opened.api
+        settings, api = handles.settings, handles.api
         self._settings = settings
         self._rules = rules
         self._passthrough = passthrough
-        self._health_board = opened.kubelet.health
-        self._metrics = opened.metrics
+        self._health_board = handles.kubelet.health
+        self._metrics = handles.metrics
         self._node_uid = node_uid
         self._api = api
-        self.policy = taint_policy(settings)
+        self.taint_policy = taint_policy(settings)
         self.publisher = SlicePublisher(
             api, driver=settings.driver_name, node_name=settings.node_name, node_uid=node_uid
         )
         self.labeller = NodeLabeller(api, settings.node_name) if settings.node_labels else None
-        self.inventory = InventoryWatch(
-            opened.backend, opened.inventory, self.publish, settings.inventory_refresh_seconds
+        self.inventory_watch = InventoryWatch(
+            handles.backend, handles.inventory, self.publish, settings.inventory_refresh_seconds
         )
-        self.health = HealthWatch(
+        self.health_watch = HealthWatch(
             open_health_source(
-                opened.backend,
+                handles.backend,
                 ignored_xids=xid_numbers(settings.ignored_xids),
                 poll_seconds=settings.health_poll_seconds,
             ),
-            self.policy,
-            lambda: self.inventory.current,
+            self.taint_policy,
+            lambda: self.inventory_watch.current,
             self._health_changed,
         )
         self.claim_status = ClaimStatusWriter(
             ApiServerClaimStatus(api),
             driver_name=settings.driver_name,
-            inventory=lambda: self.inventory.current,
-            faults=lambda: self.health.faults,
+            inventory=lambda: self.inventory_watch.current,
+            faults=lambda: self.health_watch.faults,
             busy=lambda: self.preparer.busy,  # writes wait for a pause in the kubelet's calls
         )
         self.preparer = NodePreparer(
             driver_name=settings.driver_name,
             node_name=settings.node_name,
-            backend=opened.backend,
-            inventory=lambda: self.inventory.current,
+            backend=handles.backend,
+            inventory=lambda: self.inventory_watch.current,
             claims=ApiServerClaimFetcher(api),
             specs=SpecStore(settings.cdi_dir, settings.driver_name),
-            common_edits=edits_for(settings, opened.inventory),
+            common_edits=edits_for(settings, handles.inventory),
             store_path=settings.state_dir / STORE_FILE,
             boot_id_path=settings.boot_id_file,
             partition=partition_policy(settings.mig_partitions, settings.driver_name),
             consumable=settings.consumable_capacity,
-            on_inventory_changed=self.inventory.deliver,  # MIG devices created or destroyed: publish now
-            observer=opened.metrics,
+            on_inventory_changed=self.inventory_watch.deliver,  # MIG devices made or destroyed: publish now
+            observer=handles.metrics,
             on_prepared=self.claim_status.prepared,
             on_unprepared=self.claim_status.unprepared,
             on_idle=lambda: self.trimmer.idle(),
@@ -283,8 +261,8 @@ class GpuNode:
             node_uid=self._node_uid,
             driver=self._settings.driver_name,
         )
-        await self.health.start()  # before publishing too: a faulty GPU is never offered untainted
-        self.publish(self.inventory.current)  # as the preparer's start left it (orphans destroyed)
+        await self.health_watch.start()  # before publishing too: a faulty GPU is never offered untainted
+        self.publish(self.inventory_watch.current)  # as the preparer's start left it (orphans destroyed)
         for ref, devices in self.preparer.prepared():  # a restarted plugin refreshes what it holds
             self.claim_status.prepared(ref, devices)
         if self._metrics is not None:
@@ -299,29 +277,29 @@ class GpuNode:
         settings = self._settings
         self.preparer.remember_orphans()  # the read destroyed some, or a failed rollback left one
         if self.labeller is not None:
-            self.labeller.set_desired(node_labels(settings, latest, self.health.faults))
-        taints = device_taints(latest, self.health.tainted, self.policy)
+            self.labeller.set_desired(node_labels(settings, latest, self.health_watch.faults))
+        taints = device_taints(latest, self.health_watch.tainted, self.taint_policy)
         slices = desired_slices(
             settings, latest, self.preparer.owned_mig_uuids(), taints, self._rules, self._passthrough
         )
         self.publisher.set_desired(slices)
         names = [d["name"] for s in slices for d in s.devices]
         self._health_board.set_devices(settings.node_name, names)
-        unhealthy = device_health(latest, self.health.faults)
+        unhealthy = device_health(latest, self.health_watch.faults)
         for name in names:
             device = unhealthy.get(name, DeviceHealth(HealthState.HEALTHY))
             self._health_board.mark(settings.node_name, name, device.state, device.message)
 
     def _health_changed(self) -> None:
-        self.publish(self.inventory.current)
+        self.publish(self.inventory_watch.current)
         self.claim_status.health_changed()
 
     def tasks(self) -> list[Coroutine[Any, Any, None]]:
         """What runs while the node serves."""
         return [
             self.publisher.run(),
-            self.inventory.run(),
-            self.health.run(),
+            self.inventory_watch.run(),
+            self.health_watch.run(),
             self.claim_status.run(),
             *([self.labeller.run()] if self.labeller else []),
         ]
@@ -333,7 +311,7 @@ def readiness(
     """``/readyz``'s answer: why the node is not ready yet, or None."""
     plugin = kubelet.plugin
 
-    def not_ready() -> str | None:
+    def why_not_ready() -> str | None:
         if not plugin.registration.registered.is_set():
             return plugin.registration.error or "not registered with the kubelet yet"
         # Published once, not in sync now: slices change at every MIG prepare (publisher.published).
@@ -341,7 +319,7 @@ def readiness(
             return "ResourceSlices not published yet"
         return None
 
-    return not_ready
+    return why_not_ready
 
 
 async def _until_stopped(stop: asyncio.Event, tasks: list[asyncio.Task[None]]) -> None:
@@ -354,26 +332,26 @@ async def _until_stopped(stop: asyncio.Event, tasks: list[asyncio.Task[None]]) -
             task.result()  # re-raise what killed it
 
 
-async def _serve(opened: Opened, stop: asyncio.Event, started: float) -> None:
+async def _serve(handles: Handles, stop: asyncio.Event, started: float) -> None:
     """Build and start the node's parts, let the held claim calls go on, serve until ``stop``."""
-    settings, api = opened.settings, opened.api
+    settings, api = handles.settings, handles.api
     own_node_uid = await node_uid(api, settings.node_name)
     rules = await server_rules(api)
     check_taint_effects(settings, rules)
     # Which GPUs can be passed through, and their indexes: fixed until a reboot, so read once.
     passthrough = (
-        await asyncio.to_thread(opened.backend.pci().passthrough_gpus) if settings.passthrough else None
+        await asyncio.to_thread(handles.backend.pci().passthrough_gpus) if settings.passthrough else None
     )
-    node = GpuNode(opened, rules, own_node_uid, passthrough)
+    node = GpuNode(handles, rules, own_node_uid, passthrough)
     await node.start()
-    plugin = opened.kubelet.plugin
-    opened.kubelet.claims.ready(node.preparer)  # the claim calls held since the sockets opened go on now
+    plugin = handles.kubelet.plugin
+    handles.kubelet.claims.ready(node.preparer)  # the claim calls held since the sockets opened go on now
 
     # The second driver, compute-domain.<domain>, on nodes of a multi-node NVLink clique.
-    compute_domains = compute_domain_plugin(settings, api, opened.inventory, own_node_uid, rules)
+    compute_domains = compute_domain_plugin(settings, api, handles.inventory, own_node_uid, rules)
     binding: BindingWatch | None = None
-    if opened.status is not None:
-        opened.status.readiness = readiness(opened.kubelet, node, compute_domains)
+    if handles.status is not None:
+        handles.status.readiness = readiness(handles.kubelet, node, compute_domains)
     tasks: list[asyncio.Task[None]] = []
     try:
         serving_domains = compute_domains is not None and await compute_domains.start()
@@ -384,10 +362,10 @@ async def _serve(opened: Opened, stop: asyncio.Event, started: float) -> None:
             "serving the kubelet",
             dra_socket=str(plugin.dra_socket),
             registration_socket=str(plugin.registration_socket),
-            http_port=opened.status.port if opened.status else None,
+            http_port=handles.status.port if handles.status else None,
             startup_seconds=round(time.monotonic() - started, 3),
         )
-        tuning.serving(node.trimmer)
+        tuning.settle_after_start(node.trimmer)
         tasks = [
             asyncio.create_task(task)
             for task in [
@@ -419,7 +397,7 @@ async def serve_node(settings: Settings, kubelet: KubeletFront, stop: asyncio.Ev
     caller (:func:`dra_driver.gpu_plugin.launch.run_plugin`) answers held claim calls and removes the sockets.
     """
     async with contextlib.AsyncExitStack() as held:
-        api = await api_client(settings)
+        api = await api_client(settings.kubeconfig)
         held.push_async_callback(api.close)
         metrics = None
         status = None
@@ -454,4 +432,4 @@ async def serve_node(settings: Settings, kubelet: KubeletFront, stop: asyncio.Ev
             gpus=len(inventory.gpus),
             driver_version=inventory.driver_version,
         )
-        await _serve(Opened(settings, kubelet, backend, inventory, api, metrics, status), stop, started)
+        await _serve(Handles(settings, kubelet, backend, inventory, api, metrics, status), stop, started)

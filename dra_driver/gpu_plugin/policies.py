@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import structlog
 
@@ -39,22 +38,9 @@ from dra_driver.resources.devices import (
 )
 from dra_driver.resources.server_rules import NEWEST, ServerRules
 from dra_driver.resources.slices import SliceContent, split_pool
-from dra_driver.resources.taints import (
-    TaintEffect,
-    TaintPolicy,
-)
+from dra_driver.resources.taints import TaintEffect, TaintPolicy
 from dra_driver.resources.wire import DeviceTaint
-from dra_driver.settings import (
-    BindingConditions,
-    Settings,
-    TaintsOnRecovery,
-    partition_gpus,
-    xid_numbers,
-)
-
-if TYPE_CHECKING:  # only for the annotations: dra_driver.apiserver.kube imports the client's machinery
-    pass
-
+from dra_driver.settings import BindingConditions, Settings, TaintsOnRecovery, partition_gpus, xid_numbers
 
 log = structlog.get_logger(__name__)
 

@@ -2,7 +2,8 @@
 
 Settings whose value alone is wrong are refused by :class:`~dra_driver.settings.Settings`.
 Here are the ones only the host can judge: whether a socket path fits, a directory takes
-files, a kubeconfig parses, an address can be listened on, a listed GPU exists. Each raises
+files, an address can be listened on, a listed GPU exists (a kubeconfig is checked where it is
+loaded, :mod:`dra_driver.apiserver.connect`). Each raises
 :class:`~dra_driver.errors.StartupError` naming the setting by flag and environment variable;
 ``dra_driver.cli.main`` prints it. They run before the daemon logs, opens or serves anything,
 so the error is the only line a failed start leaves (the GPU check needs the GPUs read first).
@@ -11,7 +12,6 @@ so the error is the only line a failed start leaves (the GPU check needs the GPU
 from __future__ import annotations
 
 import dataclasses
-import os
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,8 +28,7 @@ from dra_driver.kubelet.sockets import (
 from dra_driver.node.records import read_boot_id
 from dra_driver.settings import MIG_PARTITION_KEYWORDS, Settings, partition_gpus
 
-if TYPE_CHECKING:  # check_before_starting runs before the kubelet sockets open: it imports neither
-    from dra_driver.apiserver import kube
+if TYPE_CHECKING:  # check_before_starting runs before the kubelet sockets open: not the status server
     from dra_driver.gpu_plugin.http import StatusServer
 
 
@@ -72,49 +71,6 @@ def check_writable_dir(directory: Path, setting: str, *, mode: int = 0o777) -> N
             f"cannot write to {directory} ({setting}): {problem}; point the setting at a "
             "writable directory, or make this one writable for the plugin"
         ) from err
-
-
-async def load_kube_configuration(kubeconfig: Path | None, configuration: kube.Configuration) -> None:
-    """Fill ``configuration`` from ``kubeconfig``, or from the pod's service account when it is None."""
-    from dra_driver.apiserver import kube
-
-    if kubeconfig is not None:
-        await _load_kubeconfig(kubeconfig, configuration)
-        return
-    try:
-        kube.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-    except kube.ConfigException as err:
-        outside = "KUBERNETES_SERVICE_HOST" not in os.environ
-        raise StartupError(
-            "no --kubeconfig / DRA_KUBECONFIG is set and this is not a pod (KUBERNETES_SERVICE_HOST "
-            "is unset): set it to a kubeconfig file, e.g. --kubeconfig ~/.kube/config"
-            if outside
-            else f"cannot use the pod's service account: {err}; mount its token "
-            "(automountServiceAccountToken), or set --kubeconfig / DRA_KUBECONFIG"
-        ) from err
-
-
-async def _load_kubeconfig(path: Path, configuration: kube.Configuration) -> None:
-    from dra_driver.apiserver import kube
-
-    where = f"kubeconfig {path} (--kubeconfig / DRA_KUBECONFIG)"
-    try:
-        with path.open("rb"):  # the client reports a missing file as "Expected key current-context"
-            pass
-    except OSError as err:
-        raise StartupError(f"cannot read {where}: {err.strerror}; set it to a readable kubeconfig") from err
-    try:
-        await kube.load_kube_config(  # type: ignore[no-untyped-call]
-            config_file=str(path), client_configuration=configuration
-        )
-    except Exception as err:
-        # The client's parser lets through whatever a malformed file causes (TypeError, yaml
-        # errors, binascii.Error, ConfigException); each means the same to the user.
-        raise StartupError(
-            f"{where} is not a usable kubeconfig: {err}; check it with `kubectl --kubeconfig {path} version`"
-        ) from err
-    if not configuration.host:
-        raise StartupError(f"{where} names no API server: its current context's cluster has no server")
 
 
 async def start_status_server(status: StatusServer, address: str) -> None:

@@ -4,10 +4,11 @@ CPython's defaults suit a short script; a node daemon imports some 700 modules o
 small bursts of claims for months. Each knob below was measured with ``make bench`` (the figures:
 docs/performance.md, "Start-up" and "Latency and CPU per claim"):
 
-1. **The cyclic collector is off while ``dra-driver`` imports** (:func:`collector_off_for_imports`,
-   called first thing by ``dra_driver.__main__``). Start-up frees almost nothing, and walking its
-   new objects cost 15 to 20 % of the import CPU. Every command but the daemon turns it on again at
-   once (:func:`collector_on`); the daemon, when it serves (:func:`serving`).
+1. **The cyclic collector is off while ``dra-driver`` imports**: ``gc.disable()`` is the first
+   statement of ``dra_driver.__main__`` (before this module, which imports asyncio, could be
+   imported). Start-up frees almost nothing, and walking its new objects cost 15 to 20 % of the
+   import CPU. Every command but the daemon turns it on again at once (``dra_driver.cli``); the
+   daemon, when it serves (:func:`settle_after_start`).
 2. **What the kubelet's sockets do not need is imported in a worker thread**
    (:func:`import_off_the_loop`, in :mod:`.launch`). An import holds the event loop for as long as
    it runs, and the kubelet gives GetInfo 1 s; under load an import on the loop timed it out.
@@ -24,9 +25,9 @@ docs/performance.md, "Start-up" and "Latency and CPU per claim"):
    does nothing.
 
 Two more choices live with the code they shape, since they are how that code works rather than a
-setting of the process: at most 16 connections to the API server (``.app.API_CONNECTIONS``), and
-the store's commit and the CDI spec writes on the event loop (cheaper than a thread hop:
-:mod:`dra_driver.node.store`).
+setting of the process: at most 16 connections to the API server
+(:data:`dra_driver.apiserver.connect.API_CONNECTIONS`), and the store's commit and the CDI spec
+writes on the event loop (cheaper than a thread hop: :mod:`dra_driver.node.store`).
 """
 
 from __future__ import annotations
@@ -43,22 +44,12 @@ GC_SETTLE_DELAY_S = 1.0  # after the daemon is ready
 GEN0_THRESHOLD = 10_000  # allocations between young collections (Python's default: 700)
 
 
-def collector_off_for_imports() -> None:
-    """Knob 1: no cyclic collection while the program imports; :func:`collector_on` ends it."""
-    gc.disable()
-
-
-def collector_on() -> None:
-    """Knob 1 ends for a command that is not the daemon: it runs with Python's defaults."""
-    gc.enable()
-
-
 async def import_off_the_loop(module: str) -> None:
     """Knob 2: import ``module`` in a worker thread, so the event loop goes on answering meanwhile."""
     await asyncio.to_thread(importlib.import_module, module)
 
 
-def serving(trimmer: HeapTrimmer) -> None:
+def settle_after_start(trimmer: HeapTrimmer) -> None:
     """The daemon serves: the collector on again (knob 1), and a moment later, off the path of the
     kubelet's first calls, start-up's objects frozen (knob 3) and what it freed trimmed (knob 4)."""
     gc.enable()

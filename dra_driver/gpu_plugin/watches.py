@@ -24,14 +24,8 @@ from dra_driver.node.binding import CLAIMS_PATH, RESYNC_S, BindingWatcher
 from dra_driver.node.claim_status import ApiServerClaimStatus
 from dra_driver.node.preparer import NodePreparer
 from dra_driver.resources.server_rules import ServerRules
-from dra_driver.resources.taints import (
-    TaintPolicy,
-    faults_to_taint,
-    unknown_gpus,
-)
-from dra_driver.settings import (
-    Settings,
-)
+from dra_driver.resources.taints import TaintPolicy, faults_to_taint, unknown_gpus
+from dra_driver.settings import Settings
 
 if TYPE_CHECKING:  # only for the annotations: dra_driver.apiserver.kube imports the client's machinery
     from kubernetes.aio.client import ApiClient

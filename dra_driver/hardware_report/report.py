@@ -32,7 +32,7 @@ import pynvml
 
 from dra_driver.devices.backend import Backend, DeviceError
 from dra_driver.devices.catalog import GpuModel, load_catalog
-from dra_driver.devices.naming import mig_profile_name
+from dra_driver.devices.nvidia_names import mig_profile_name
 from dra_driver.devices.nvml import NvmlBackend
 from dra_driver.devices.types import Gpu, Inventory, MigProfile, Placement
 from dra_driver.log import configure

@@ -367,7 +367,7 @@ class SimulatedBackend:
             )
 
     def set_host_imex(self, state: Literal["ready", "stopped"]) -> None:
-        """Start or stop the node's simulated host nvidia-imex service (:mod:`.host_imex`)."""
+        """Start or stop the simulated host nvidia-imex service (:mod:`dra_driver.devices.host_imex`)."""
         with self._changing() as current:
             current.host_imex = state
 

@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-READY_FILE = "startup.log"  # as in .mps; not imported, to keep this process's start small
+# As in dra_driver.node.sharing.mps; not imported, to keep this process's start small.
+READY_FILE = "startup.log"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,9 +15,8 @@ import pytest
 from aiohttp import web
 
 from dra_driver.apiserver import kube
+from dra_driver.apiserver.connect import API_CONNECTIONS, api_client
 from dra_driver.apiserver.rest import JsonApi
-from dra_driver.gpu_plugin.app import API_CONNECTIONS, api_client
-from dra_driver.settings import Settings
 
 
 @pytest.fixture
@@ -122,7 +121,7 @@ async def test_a_burst_of_requests_shares_a_few_connections(
     )
     for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
-    client = await api_client(Settings(kubeconfig=kubeconfig))
+    client = await api_client(kubeconfig)
     try:
         answers = await asyncio.gather(*(JsonApi(client).get(f"/api/v1/nodes/n{i}") for i in range(200)))
     finally:

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dra_driver.devices.catalog import load_catalog
-from dra_driver.devices.naming import (
+from dra_driver.devices.nvidia_names import (
     architecture_name,
     brand_name,
     mig_memory_size_gb,
