@@ -96,6 +96,31 @@ STAND_IN_USERS: frozenset[tuple[str, str]] = frozenset(
 )
 
 
+# The programs, each a package of its own (the entry point and CLI, above them, may use them all),
+# and the few places one program uses another's modules, each under its why.
+PROGRAMS = (
+    "dra_driver.gpu_plugin",
+    "dra_driver.webhook",
+    "dra_driver.hardware_report",
+    "dra_driver.computedomain",
+    "dra_driver.simulated.imex_daemon",
+)
+PROGRAMS_MAY_USE: frozenset[tuple[str, str]] = frozenset(
+    {
+        # the GPU plugin's process also serves the node's compute-domain driver
+        ("dra_driver.gpu_plugin", "dra_driver.computedomain"),
+        # the IMEX daemon's stand-in reads the config and names prepare gives it; its command is
+        # one of the compute-domain commands
+        ("dra_driver.simulated.imex_daemon", "dra_driver.computedomain"),
+        ("dra_driver.computedomain", "dra_driver.simulated.imex_daemon"),
+    }
+)
+
+
+def program_of(module: str) -> str | None:
+    return next((p for p in PROGRAMS if module == p or module.startswith(f"{p}.")), None)
+
+
 def stand_ins(package: Path) -> list[str]:
     """The modules of the stand-in package."""
     return [name for name in modules(package) if f"{name}.".startswith(f"{STAND_IN_PACKAGE}.")]
@@ -308,6 +333,17 @@ def test_every_listed_stand_in_and_switch_exists(project: list[Import]) -> None:
     edges = {(imp.importer, imp.imported) for imp in project}
     assert len(stand_ins(PACKAGE)) > 5  # the package is where the stand-ins are
     assert [pair for pair in STAND_IN_USERS if pair not in edges] == []
+
+
+def test_programs_use_one_another_only_where_listed(project: list[Import]) -> None:
+    used = {
+        (importer, imported)
+        for imp in project
+        for importer, imported in [(program_of(imp.importer), program_of(imp.imported))]
+        if importer and imported and importer != imported
+    }
+    assert sorted(used - PROGRAMS_MAY_USE) == []
+    assert sorted(PROGRAMS_MAY_USE - used) == [], "stale: drop it from PROGRAMS_MAY_USE"
 
 
 def test_no_simulated_thing_is_defined_outside_the_stand_in_package() -> None:
