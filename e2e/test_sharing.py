@@ -46,9 +46,7 @@ def claim_of(rest: RestClient, namespace: str, pod: str) -> JsonObject:
 def no_daemon_outlives_a_test(node: GpuNode) -> Iterator[None]:
     """Stand-in daemons run in sessions of their own: one a failed test left behind is ended here."""
     yield
-    stand_ins = daemons(node)
-    for daemon in (node.driver.paths.data / "mps").glob("*"):
-        stand_ins._stop(daemon.name)
+    daemons(node).stop_all()
 
 
 @pytest.fixture

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import structlog
@@ -63,7 +65,25 @@ class LocalMpsDaemons:
     async def start(self, spec: MpsDaemonSpec) -> MpsPaths:
         return await asyncio.to_thread(self._start, spec)
 
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Held while a daemon is started or stopped. Two plugin instances share the node's daemons
+        (a rolling update runs both): without it, each could find no daemon and start one, and the
+        stop that follows ends only the one its pid file names (the kill -9 suite saw the other
+        left running). A daemon pod has no such window: it is created and deleted by name."""
+        self._root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self._root / ".lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
     def _start(self, spec: MpsDaemonSpec) -> MpsPaths:
+        with self._exclusive():
+            return self._start_locked(spec)
+
+    def _start_locked(self, spec: MpsDaemonSpec) -> MpsPaths:
         paths = self.paths(spec.id)
         if self._alive(spec.id):
             pid_file = paths.root / "pid"
@@ -121,6 +141,10 @@ class LocalMpsDaemons:
         await asyncio.to_thread(self._stop, daemon_id)
 
     def _stop(self, daemon_id: str) -> None:
+        with self._exclusive():
+            self._stop_locked(daemon_id)
+
+    def _stop_locked(self, daemon_id: str) -> None:
         paths = self.paths(daemon_id)
         pid = self._pid(daemon_id)
         if pid is not None and self._alive(daemon_id):
@@ -147,6 +171,14 @@ class LocalMpsDaemons:
         log.info("mps_daemon_stopped", daemon=daemon_id)
 
     async def running(self) -> set[str]:
+        return await asyncio.to_thread(self._daemon_ids)
+
+    def stop_all(self) -> None:
+        """End every daemon under the root: the clean-up of a test or a scratch node."""
+        for daemon_id in sorted(self._daemon_ids()):
+            self._stop(daemon_id)
+
+    def _daemon_ids(self) -> set[str]:
         try:
             return {entry.name for entry in self._root.iterdir() if entry.is_dir()}
         except FileNotFoundError:

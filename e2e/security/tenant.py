@@ -333,8 +333,7 @@ def tenant_node(
         try:
             yield made
         finally:
-            for daemon in sorted(p.name for p in (Path(scratch) / "mps").glob("*")):
-                made.mps._stop(daemon)
+            made.mps.stop_all()
 
 
 def run_node(node: TenantNode) -> tuple[list[NodeAttempt], list[NodeControl]]:

@@ -155,8 +155,7 @@ class Node:
 
     def stop_mps_daemons(self) -> None:
         """End every stand-in daemon a test left running."""
-        for daemon in sorted(p.name for p in (self.root / "mps").glob("*")):
-            self.mps._stop(daemon)
+        self.mps.stop_all()
 
     @property
     def specs(self) -> SpecStore:

@@ -31,8 +31,7 @@ def backend(tmp_path: Path) -> SimulatedBackend:
 def daemons(tmp_path: Path) -> Iterator[LocalMpsDaemons]:
     runner = LocalMpsDaemons(tmp_path / "mps", tmp_path / "sim" / STATE_FILE_NAME)
     yield runner
-    for entry in (tmp_path / "mps").glob("*"):  # no process outlives a test, even a failed one
-        runner._stop(entry.name)
+    runner.stop_all()  # no process outlives a test, even a failed one
 
 
 def process_exists(pid: int) -> bool:
