@@ -751,7 +751,8 @@ class NodePreparer:
             # From the store: during a rolling update the other instance may have prepared it.
             store = self._state()
             record = store.claim(ref.uid)
-            if record is None or record.phase == "Recovered":
+            recovered = record if record is not None and record.phase == "Recovered" else None
+            if record is None or recovered is not None:
                 # The record of its daemons was lost.
                 await self._sharing.stop_daemons_of(ref.uid, store.snapshot())
             if record is not None and record.sharing is not None:
@@ -768,6 +769,8 @@ class NodePreparer:
             self._remove_metadata(ref)
             # Committed even when this instance has no record: the other instance may have one.
             store.commit(Release(ref.uid))
+            if recovered is not None:
+                await self._sharing.stop_shared_daemons_after(recovered, store.snapshot())
             log.info("claim unprepared")
 
     async def _with_created_before_a_crash(self, record: ClaimRecord) -> ClaimRecord:

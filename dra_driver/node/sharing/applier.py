@@ -215,6 +215,24 @@ class SharingApplier:
         except MpsDaemonError as error:
             raise SharingError(str(error)) from None
 
+    async def stop_shared_daemons_after(self, record: ClaimRecord, state: NodeState) -> None:
+        """After the release of ``record``, a claim recovered from its CDI spec: stop the shared
+        daemons of the GPUs it held shares of that no claim of ``state``, read after the release,
+        still uses. The check before the release (:meth:`stop_daemons_of`) misses one case: two such
+        claims of one pod unprepared together each see the other, and neither stops the daemon."""
+        if self._mps is None:
+            return
+        shared = await self._shared_daemons_of_recovered([record])
+        if not shared:
+            return
+        shared -= await self._shared_daemons_of_recovered(state.claims.values())
+        shared -= {daemon for daemon, uids in state.sharing.daemons.items() if uids}
+        try:
+            for daemon in sorted(shared & await self._mps.running()):
+                await self._mps.stop(daemon)
+        except MpsDaemonError as error:
+            raise SharingError(str(error)) from None
+
     async def _shared_daemons_of_recovered(self, records: Iterable[ClaimRecord]) -> set[str]:
         """The shared daemons of the GPUs that claims recovered from their CDI specs hold shares of.
 

@@ -421,3 +421,24 @@ async def test_a_gpus_shared_daemon_outlives_a_lost_store_until_its_last_share_i
     assert (await restarted.unprepare([second]))[second.uid] is None
     assert node.mps.pid(daemon) is None
     assert not node.mps.paths(daemon).root.exists()
+
+
+async def test_after_a_lost_store_a_pod_of_two_shares_unprepared_together_stops_their_shared_daemon(
+    node: Node,
+) -> None:
+    # Found by the kill -9 suite: one call unprepares both claims of the pod, each saw the other
+    # before its release, and neither stopped the daemon they were the last clients of.
+    preparer = await node.started(consumable=True)
+    first, second = new_ref("first"), new_ref("second")
+    for ref in (first, second):
+        node.allocate(ref, "gpu-1", share_id=str(uuid.uuid4()), consumed={"memory": "20Gi"})
+    await preparer.prepare([first, second])
+    daemon = node.on_disk().claims[first.uid].sharing.mps_daemon  # type: ignore[union-attr]
+    assert daemon is not None
+    for path in node.state_dir.glob("state.db*"):
+        path.unlink()
+
+    restarted = await node.started(consumable=True)
+    assert (await restarted.unprepare([first, second])) == {first.uid: None, second.uid: None}
+    assert node.mps.pid(daemon) is None
+    assert not node.mps.paths(daemon).root.exists()
