@@ -399,9 +399,9 @@ async def test_a_lost_store_still_stops_the_claims_daemon_at_unprepare(node: Nod
     assert not node.mps.paths(daemon).root.exists()
 
 
-async def test_a_gpus_shared_daemon_outlives_a_lost_store_until_its_last_share_is_unprepared(
-    node: Node,
-) -> None:
+async def two_shares_after_a_lost_store(node: Node) -> tuple[NodePreparer, ClaimRef, ClaimRef, str]:
+    """Two shares of gpu-1 prepared, the store lost (their CDI specs survive), the plugin restarted:
+    the restarted preparer, the two claims, and their GPU's shared daemon, still running."""
     preparer = await node.started(consumable=True)
     first, second = new_ref("first"), new_ref("second")
     for ref in (first, second):
@@ -411,11 +411,17 @@ async def test_a_gpus_shared_daemon_outlives_a_lost_store_until_its_last_share_i
     assert daemon is not None
     assert daemon.startswith("shared-")
     for path in node.state_dir.glob("state.db*"):
-        path.unlink()  # the node's disk lost the store; the CDI specs survive
-
+        path.unlink()
     restarted = await node.started(consumable=True)
     assert {record.phase for record in node.on_disk().claims.values()} == {"Recovered"}
     assert node.mps.pid(daemon) is not None  # both shares' containers may still be its clients
+    return restarted, first, second, daemon
+
+
+async def test_a_gpus_shared_daemon_outlives_a_lost_store_until_its_last_share_is_unprepared(
+    node: Node,
+) -> None:
+    restarted, first, second, daemon = await two_shares_after_a_lost_store(node)
     assert (await restarted.unprepare([first]))[first.uid] is None
     assert node.mps.pid(daemon) is not None  # the second share's still may
     assert (await restarted.unprepare([second]))[second.uid] is None
@@ -428,17 +434,7 @@ async def test_after_a_lost_store_a_pod_of_two_shares_unprepared_together_stops_
 ) -> None:
     # Found by the kill -9 suite: one call unprepares both claims of the pod, each saw the other
     # before its release, and neither stopped the daemon they were the last clients of.
-    preparer = await node.started(consumable=True)
-    first, second = new_ref("first"), new_ref("second")
-    for ref in (first, second):
-        node.allocate(ref, "gpu-1", share_id=str(uuid.uuid4()), consumed={"memory": "20Gi"})
-    await preparer.prepare([first, second])
-    daemon = node.on_disk().claims[first.uid].sharing.mps_daemon  # type: ignore[union-attr]
-    assert daemon is not None
-    for path in node.state_dir.glob("state.db*"):
-        path.unlink()
-
-    restarted = await node.started(consumable=True)
+    restarted, first, second, daemon = await two_shares_after_a_lost_store(node)
     assert (await restarted.unprepare([first, second])) == {first.uid: None, second.uid: None}
     assert node.mps.pid(daemon) is None
     assert not node.mps.paths(daemon).root.exists()
