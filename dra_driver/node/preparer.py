@@ -754,7 +754,7 @@ class NodePreparer:
             recovered = record if record is not None and record.phase == "Recovered" else None
             if record is None or recovered is not None:
                 # The record of its daemons was lost.
-                await self._sharing.stop_daemons_of(ref.uid, record, store.snapshot())
+                await self._sharing.stop_daemons_of(ref.uid, store.snapshot())
             if record is not None and record.sharing is not None:
                 record = await self._undo_sharing(ref.uid)
             if record is not None:
@@ -770,7 +770,7 @@ class NodePreparer:
             # Committed even when this instance has no record: the other instance may have one.
             store.commit(Release(ref.uid))
             if recovered is not None:
-                await self._sharing.stop_daemons_of(ref.uid, recovered, store.snapshot())
+                await self._sharing.stop_shared_daemons_after(recovered, store.snapshot())
             log.info("claim unprepared")
 
     async def _with_created_before_a_crash(self, record: ClaimRecord) -> ClaimRecord:

@@ -194,16 +194,15 @@ class SharingApplier:
             except MpsDaemonError as error:
                 log.error("mps_daemon_not_stopped", daemon=daemon, error=str(error))
 
-    async def stop_daemons_of(self, uid: str, record: ClaimRecord | None, state: NodeState) -> None:
+    async def stop_daemons_of(self, uid: str, state: NodeState) -> None:
         """Stop the daemons of claim ``uid``, whose record of them was lost with the store.
 
         Those are the daemons named after the claim, and the shared daemon of each GPU it holds a
-        share of (``record``: the claim as recovered), unless another claim of ``state`` may still
-        be a client of that one. Called before the claim's release and again after it: two such
-        claims of one pod unprepared together each see the other before, and neither stops it.
+        share of, unless another claim of ``state`` may still be a client of that one.
         """
         if self._mps is None:
             return
+        record = state.claims.get(uid)
         others = [r for u, r in state.claims.items() if u != uid]
         shared = await self._shared_daemons_of_recovered([record] if record else [])
         if shared:
@@ -213,6 +212,24 @@ class SharingApplier:
             for daemon in sorted(await self._mps.running()):
                 if daemon.startswith(f"{uid}-") or daemon in shared:
                     await self._mps.stop(daemon)
+        except MpsDaemonError as error:
+            raise SharingError(str(error)) from None
+
+    async def stop_shared_daemons_after(self, record: ClaimRecord, state: NodeState) -> None:
+        """After the release of ``record``, a claim recovered from its CDI spec: stop the shared
+        daemons of the GPUs it held shares of that no claim of ``state``, read after the release,
+        still uses. The check before the release (:meth:`stop_daemons_of`) misses one case: two such
+        claims of one pod unprepared together each see the other, and neither stops the daemon."""
+        if self._mps is None:
+            return
+        shared = await self._shared_daemons_of_recovered([record])
+        if not shared:
+            return
+        shared -= await self._shared_daemons_of_recovered(state.claims.values())
+        shared -= {daemon for daemon, uids in state.sharing.daemons.items() if uids}
+        try:
+            for daemon in sorted(shared & await self._mps.running()):
+                await self._mps.stop(daemon)
         except MpsDaemonError as error:
             raise SharingError(str(error)) from None
 
